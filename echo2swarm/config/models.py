@@ -1,0 +1,234 @@
+"""Typed configuration, one root model per role, every field documented with its unit.
+
+Precedence (lowest first): defaults < TOML file < `ECHO2SWARM_*` environment < CLI flags.
+`extra="forbid"` everywhere, so a misspelt key is an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
+from echo2swarm.config.units import parse_bytes
+
+Role = Literal["learner", "rollout", "relay", "bootstrap"]
+ROLES: tuple[str, ...] = ("learner", "rollout", "relay", "bootstrap")
+_SWARM_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+MiB = 1024 * 1024
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OverlayConfig(StrictModel):
+    """How this daemon joins the hivemind DHT. Flag names mirror hivemind/petals."""
+
+    swarm: str = Field("echo2swarm", description="Swarm name: the namespace of every DHT key of this run.")
+    initial_peers: list[str] = Field(
+        default_factory=list,
+        description="Multiaddrs (/ip4/.../tcp/N/p2p/ID) of peers already in the swarm. Empty requires new_swarm.",
+    )
+    new_swarm: bool = Field(False, description="Start a new swarm instead of joining one (only with no initial_peers).")
+    host_maddrs: list[str] = Field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+        description="Multiaddrs to listen on; port 0 picks a free port.",
+    )
+    announce_maddrs: list[str] = Field(
+        default_factory=list, description="Public multiaddrs to advertise instead of the listen addresses (explicit ports)."
+    )
+    identity: Path | None = Field(
+        None, description="Private key file for a persistent peer id; created if missing. None: a fresh id per start."
+    )
+    client_mode: bool = Field(
+        False, description="Do not accept incoming DHT connections (peers behind NAT or firewalls)."
+    )
+    use_relay: bool = Field(True, description="Allow connections through libp2p circuit relays.")
+    use_auto_relay: bool = Field(False, description="Find relays automatically and advertise through them (behind NAT).")
+    bootstrap_timeout_s: float = Field(
+        15.0, gt=0, description="Seconds to reach at least one initial peer before giving up with exit code 2."
+    )
+    dht_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for one DHT request to a peer.")
+    p2p_startup_timeout_s: float = Field(20.0, gt=0, description="Seconds for the libp2p daemon (p2pd) to start.")
+    announce_period_s: float = Field(10.0, gt=0, description="Seconds between re-announcements of this peer's records.")
+    record_ttl_s: float = Field(
+        30.0, gt=0, description="Seconds a record lives in the DHT without re-announcement (~3x announce_period_s)."
+    )
+
+    @field_validator("swarm")
+    @classmethod
+    def _swarm_name(cls, v: str) -> str:
+        if not _SWARM_NAME.match(v):
+            raise ValueError("swarm names are 1-64 chars of a-z, 0-9, '.', '_', '-' and start with a letter or digit")
+        return v
+
+    @field_validator("initial_peers", mode="before")
+    @classmethod
+    def _split_peers(cls, v: object) -> object:
+        # Accept "a b", "a,b" and ["a", "b"]: env vars and copy-pasted hivemind output use all three.
+        if isinstance(v, str):
+            return [p for p in re.split(r"[\s,]+", v) if p]
+        return v
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _peer_maddrs(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            try:
+                check_peer_maddr(addr)
+            except MaddrError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @field_validator("host_maddrs", "announce_maddrs")
+    @classmethod
+    def _listen_maddrs(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            try:
+                check_listen_maddr(addr)
+            except MaddrError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "OverlayConfig":
+        if self.record_ttl_s <= self.announce_period_s:
+            raise ValueError(
+                f"record_ttl_s ({self.record_ttl_s}) must exceed announce_period_s ({self.announce_period_s}), "
+                "or records expire between announcements; use about 3x"
+            )
+        if self.new_swarm and self.initial_peers:
+            raise ValueError("new_swarm and initial_peers exclude each other: join with --initial-peers or start with --new-swarm")
+        return self
+
+
+class ChunkServerConfig(StrictModel):
+    """The HTTP server that hands out manifests and verified chunks."""
+
+    enabled: bool = Field(True, description="Serve verified chunks to other peers over HTTP.")
+    host: str = Field("0.0.0.0", description="Interface to bind.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    public_url: str | None = Field(
+        None, description="URL other peers use (http://host:port). None: derived from the bound port and overlay addresses."
+    )
+    max_connections: int = Field(64, ge=1, description="Concurrent HTTP connections served at most.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Seconds one chunk response may take before it is cut.")
+
+    @field_validator("public_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+(:\d+)?/?$", v):
+            raise ValueError("public_url must look like http://203.0.113.5:8080")
+        return v.rstrip("/") if v else v
+
+
+class FetchConfig(StrictModel):
+    """How followers fetch policy versions."""
+
+    head_poll_s: float = Field(2.0, gt=0, description="Seconds between looks at the learner's head record.")
+    manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
+    chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")
+    parallel_chunks: int = Field(4, ge=1, le=64, description="Chunks in flight at once.")
+    attempts_per_chunk: int = Field(4, ge=1, description="Sources tried for one chunk before the version fetch fails.")
+    retry_backoff_s: float = Field(1.0, ge=0, description="Base of the exponential back-off after a failed version fetch.")
+    max_manifest_bytes: int = Field(16 * MiB, ge=1024, description="Largest manifest accepted, in bytes.")
+    max_chunk_bytes: int = Field(64 * MiB, ge=1024, description="Largest chunk accepted, in bytes.")
+
+    @field_validator("max_manifest_bytes", "max_chunk_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: object) -> int:
+        return parse_bytes(v)  # type: ignore[arg-type]
+
+
+class StoreConfig(StrictModel):
+    keep_versions: int = Field(2, ge=1, description="Policy versions kept on disk; older ones are garbage-collected.")
+
+
+class PublishConfig(StrictModel):
+    """What the learner publishes as signed policy versions."""
+
+    model: Path | None = Field(None, description="Hugging Face model directory (safetensors) to publish and train.")
+    policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
+    chunk_size: int = Field(8 * MiB, description="Bytes per chunk (64 KiB .. 64 MiB); accepts '8MiB'.")
+
+    @field_validator("chunk_size", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> int:
+        n = parse_bytes(v)  # type: ignore[arg-type]
+        if not 64 * 1024 <= n <= 64 * MiB:
+            raise ValueError("chunk_size must be between 64KiB and 64MiB")
+        return n
+
+
+class _DaemonBase(StrictModel):
+    state_dir: Path = Field(
+        Path("~/.local/state/echo2swarm"), description="Directory for keys, pinned trust, chunks and policy versions."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    price: float = Field(0.0, description="Advertised price of this peer in USD per hour (>= 0).")
+    overlay: OverlayConfig = Field(default_factory=OverlayConfig)
+    chunk_server: ChunkServerConfig = Field(default_factory=ChunkServerConfig)
+
+    @field_validator("price")
+    @classmethod
+    def _price(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError("price is USD per hour and must be a finite number >= 0")
+        if v > 10_000:
+            raise ValueError("price is USD per hour; values above 10000 are surely a typo")
+        return v
+
+    @field_validator("state_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+
+class _FollowerBase(_DaemonBase):
+    trust: str | None = Field(
+        None,
+        description="Learner policy public key to pin: a path to KEY.pub or 'ed25519:<hex>'. None: trust on first use.",
+    )
+    fetch: FetchConfig = Field(default_factory=FetchConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+
+class LearnerConfig(_DaemonBase):
+    role: Literal["learner"] = "learner"
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @model_validator(mode="after")
+    def _needs_model(self) -> "LearnerConfig":
+        if self.publish.model is None:
+            raise ValueError("the learner needs a model directory: pass --model DIR (or [publish] model = ...)")
+        if self.publish.policy_key is None:
+            raise ValueError(
+                "the learner needs a policy key: create one with `echo2swarm keygen KEY` and pass --policy-key KEY"
+            )
+        return self
+
+
+class RolloutConfig(_FollowerBase):
+    role: Literal["rollout"] = "rollout"
+
+
+class RelayConfig(_FollowerBase):
+    role: Literal["relay"] = "relay"
+
+
+class BootstrapConfig(_DaemonBase):
+    """Keeps the DHT reachable; holds no policy, so its chunk server never starts."""
+
+    role: Literal["bootstrap"] = "bootstrap"
+
+
+DaemonConfig = Annotated[
+    Union[LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig], Field(discriminator="role")
+]
+FollowerConfig = Union[RolloutConfig, RelayConfig]

@@ -1,0 +1,57 @@
+"""Schemas of the small records peers publish in the DHT (bulk data never goes through the DHT)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_RECORD_BYTES = 16 * 1024
+
+PeerState = Literal["starting", "syncing", "ready", "stopping"]
+PEER_STATES: tuple[str, ...] = ("starting", "syncing", "ready", "stopping")
+_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+
+
+class RecordError(ValueError):
+    pass
+
+
+class PeerCard(BaseModel):
+    """What a daemon tells the swarm about itself; re-announced every announce period."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    peer_id: str = Field(max_length=128)
+    role: Literal["learner", "rollout", "relay", "bootstrap"]
+    price: float = Field(ge=0, le=10_000, allow_inf_nan=False, description="USD per hour")
+    version: int | None = Field(None, ge=0, description="policy version held; None: none yet")
+    state: PeerState
+    software: str = Field(max_length=32)
+    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
+    chunk_url: str | None = Field(None, max_length=256)
+    updated_ms: int = Field(ge=0)
+
+    @field_validator("peer_id")
+    @classmethod
+    def _peer_id(cls, v: str) -> str:
+        if not _PEER_ID.match(v):
+            raise ValueError("peer_id must be a base58 libp2p peer id")
+        return v
+
+    @field_validator("chunk_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+$", v):
+            raise ValueError("chunk_url must be http(s)://host:port")
+        return v
+
+
+def parse_card(value: object) -> PeerCard:
+    if not isinstance(value, dict):
+        raise RecordError(f"peer card is {type(value).__name__}, not a mapping")
+    try:
+        return PeerCard.model_validate(value)
+    except ValidationError as e:
+        raise RecordError(f"peer card does not match the schema: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None

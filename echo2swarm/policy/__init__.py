@@ -1,0 +1,1 @@
+"""Policy dissemination: signing keys, manifests, chunking, the chunk store, server and fetcher."""
