@@ -28,6 +28,7 @@ _FILE_NAME = re.compile(r"^(?!\.)[A-Za-z0-9._-]{1,128}$")
 MAX_FILES = 256
 MAX_CHUNKS = 1 << 20
 MAX_TENSORS = 1 << 16
+SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
 
 
 class ManifestError(ValueError):
@@ -212,14 +213,17 @@ def file_entry(name: str, data: bytes, chunk_size: int) -> tuple[FileEntry, list
     return entry, chunks
 
 
-def safetensors_tensors(name: str, data: bytes) -> list[TensorInfo]:
-    """Tensor names, dtypes and shapes from a safetensors header (bounded, no torch needed)."""
-    if len(data) < 8:
+def safetensors_tensors(name: str, head: bytes) -> list[TensorInfo]:
+    """Tensor names, dtypes and shapes from a safetensors file's first bytes (bounded, no torch needed).
+
+    `head` must hold at least the 8-byte length prefix and the JSON header that follows it.
+    """
+    if len(head) < 8:
         raise ValueError(f"{name} is too short to be safetensors")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > min(len(data) - 8, 100 * 1024 * 1024):
+    header_len = int.from_bytes(head[:8], "little")
+    if header_len > min(len(head) - 8, SAFETENSORS_MAX_HEADER):
         raise ValueError(f"{name} has an impossible safetensors header length")
-    header = json.loads(data[8:8 + header_len])
+    header = json.loads(head[8:8 + header_len])
     return [
         TensorInfo(name=k, dtype=v["dtype"], shape=list(v["shape"]), file=name)
         for k, v in sorted(header.items())

@@ -1,0 +1,1 @@
+"""Command-line interface. Commands parse and validate, then import the heavy code lazily."""

@@ -1,0 +1,104 @@
+"""`echo2swarm daemon`: run one participant of a swarm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from echo2swarm.cli._common import ROLES, fail, split_addrs
+
+
+@click.command(context_settings={"max_content_width": 110})
+@click.option("--role", type=click.Choice(ROLES), help="What this daemon does (or `role` in --config).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), envvar="ECHO2SWARM_CONFIG",
+              help="TOML file; flags and ECHO2SWARM_* variables override it. Examples in daemon/.")
+@click.option("--swarm", help="Swarm name (namespace of every DHT key). Default: echo2swarm.")
+@click.option("--initial-peers", multiple=True, metavar="MADDR",
+              help="Multiaddr of a peer in the swarm, /ip4/.../tcp/N/p2p/ID (repeatable).")
+@click.option("--new-swarm", is_flag=True, default=None, help="Start a new swarm (no --initial-peers).")
+@click.option("--host-maddrs", multiple=True, metavar="MADDR", help="Listen multiaddrs. Default: /ip4/0.0.0.0/tcp/0.")
+@click.option("--announce-maddrs", multiple=True, metavar="MADDR", help="Public multiaddrs to advertise (explicit ports).")
+@click.option("--identity", type=click.Path(dir_okay=False, path_type=Path),
+              help="Private key file for a persistent peer id; created if missing.")
+@click.option("--client-mode", is_flag=True, default=None, help="Accept no incoming DHT connections (behind NAT).")
+@click.option("--use-relay/--no-use-relay", default=None, help="Allow libp2p circuit relays (default on).")
+@click.option("--use-auto-relay", is_flag=True, default=None, help="Find relays and advertise through them (behind NAT).")
+@click.option("--price", type=float, help="Advertised price in USD per hour (>= 0).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keys, pinned trust, chunks, versions. Default: ~/.local/state/echo2swarm.")
+@click.option("--trust", metavar="KEY", help="Learner policy key to pin: KEY.pub path or 'ed25519:<hex>'.")
+@click.option("--model", type=click.Path(path_type=Path), help="learner: Hugging Face model directory to publish.")
+@click.option("--policy-key", type=click.Path(dir_okay=False, path_type=Path), help="learner: key from `echo2swarm keygen`.")
+@click.option("--chunk-size", metavar="SIZE", help="learner: bytes per chunk, e.g. 8MiB.")
+@click.option("--chunk-host", help="Interface for the HTTP chunk server. Default: 0.0.0.0.")
+@click.option("--chunk-port", type=int, help="Port for the HTTP chunk server. Default: 0 (any free port).")
+@click.option("--chunk-url", help="URL peers should use for our chunk server, if not derivable (NAT, proxies).")
+@click.option("--record-ttl", type=float, help="Seconds our DHT records live without re-announcement.")
+@click.option("--announce-period", type=float, help="Seconds between re-announcements.")
+@click.option("--bootstrap-timeout", type=float, help="Seconds to reach --initial-peers before exiting with code 2.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--print-config", is_flag=True, help="Print the resolved config as JSON and exit.")
+def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print_config, log_level, **flags) -> None:
+    """Run an echo2swarm daemon: learner, rollout peer, relay or bootstrap node.
+
+    \b
+    New swarm:   echo2swarm daemon --role bootstrap --new-swarm --host-maddrs /ip4/0.0.0.0/tcp/31337
+    Rollout:     echo2swarm daemon --role rollout --price 0.3 --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3...
+    Learner:     scripts/launch_learner.sh daemon/learner.toml
+    """
+    from echo2swarm.config.loading import ConfigError, dump_config, load_config
+
+    overrides = {
+        "price": flags["price"],
+        "state_dir": flags["state_dir"],
+        "log_level": log_level.upper() if log_level else None,
+        "overlay.swarm": flags["swarm"],
+        "overlay.initial_peers": split_addrs(initial_peers),
+        "overlay.new_swarm": flags["new_swarm"],
+        "overlay.host_maddrs": split_addrs(host_maddrs),
+        "overlay.announce_maddrs": split_addrs(announce_maddrs),
+        "overlay.identity": flags["identity"],
+        "overlay.client_mode": flags["client_mode"],
+        "overlay.use_relay": flags["use_relay"],
+        "overlay.use_auto_relay": flags["use_auto_relay"],
+        "overlay.record_ttl_s": flags["record_ttl"],
+        "overlay.announce_period_s": flags["announce_period"],
+        "overlay.bootstrap_timeout_s": flags["bootstrap_timeout"],
+        "chunk_server.host": flags["chunk_host"],
+        "chunk_server.port": flags["chunk_port"],
+        "chunk_server.public_url": flags["chunk_url"],
+    }
+    role_flags = {
+        "trust": ("trust", ("rollout", "relay")),
+        "model": ("publish.model", ("learner",)),
+        "policy_key": ("publish.policy_key", ("learner",)),
+        "chunk_size": ("publish.chunk_size", ("learner",)),
+    }
+    try:
+        effective_role = role
+        if effective_role is None and config_path is not None:
+            from echo2swarm.config.loading import read_toml
+
+            effective_role = read_toml(config_path).get("role")
+        for flag, (dotted, roles) in role_flags.items():
+            if flags[flag] is not None:
+                if effective_role not in roles:
+                    fail(f"--{flag.replace('_', '-')} only applies to --role {'/'.join(roles)}")
+                overrides[dotted] = flags[flag]
+        config = load_config(role, config_path, overrides=overrides)
+    except ConfigError as e:
+        fail(str(e))
+    if print_config:
+        click.echo(dump_config(config))
+        return
+
+    from echo2swarm.runtime.daemon import preflight, run_daemon
+    from echo2swarm.runtime.logging import setup_logging
+
+    try:
+        preflight(config)  # bad keys and model directories fail here, before any network start
+    except ValueError as e:
+        fail(str(e))
+    setup_logging(config.log_level)
+    raise SystemExit(run_daemon(config))

@@ -1,0 +1,40 @@
+"""`echo2swarm` entry point. Importing this module must stay cheap: no torch, no hivemind."""
+
+from __future__ import annotations
+
+import click
+
+from echo2swarm import __version__
+from echo2swarm.cli.daemon import daemon
+from echo2swarm.cli.demo import demo
+from echo2swarm.cli.keys import keygen, tiny_model
+from echo2swarm.cli.peers import peers
+
+HELP = """echo2swarm: RL post-training of LLMs on a peer-to-peer swarm of cheap GPUs.
+
+\b
+Start a swarm on one laptop and watch it:      echo2swarm demo
+Join a swarm as a rollout peer:                echo2swarm daemon --role rollout --price 0.3 --initial-peers /ip4/.../p2p/...
+See who is in a swarm:                         echo2swarm peers --initial-peers /ip4/.../p2p/...
+"""
+
+
+@click.group(help=HELP, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="echo2swarm")
+def cli() -> None:
+    pass
+
+
+cli.add_command(daemon)
+cli.add_command(peers)
+cli.add_command(keygen)
+cli.add_command(tiny_model)
+cli.add_command(demo)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

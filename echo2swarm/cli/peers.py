@@ -1,0 +1,94 @@
+"""`echo2swarm peers`: join a swarm as a DHT client and show its peers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from echo2swarm.cli._common import fail, split_addrs
+
+
+def peers_table(view: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    heads = ", ".join(f"v{h['version']} by {h['public_key'][8:24]}" for h in view["heads"]) or "none"
+    table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers; policy head {heads}", title_justify="left")
+    for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("version", "right"),
+                            ("state", "left"), ("last seen", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for p in view["peers"]:
+        table.add_row(
+            f"…{p['peer_id'][-12:]}", p["role"], f"{p['price']:.3f}",
+            "-" if p["version"] is None else str(p["version"]), p["state"], f"{p['last_seen']:.0f}s ago",
+        )
+    return table
+
+
+@click.command()
+@click.option("--initial-peers", multiple=True, metavar="MADDR", envvar="ECHO2SWARM_OVERLAY__INITIAL_PEERS",
+              help="Multiaddr of any peer in the swarm (repeatable).")
+@click.option("--swarm", default="echo2swarm", show_default=True, envvar="ECHO2SWARM_OVERLAY__SWARM")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list, one object per peer.")
+@click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
+@click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
+def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
+    """List the peers of a swarm: role, price, policy version, state, last seen.
+
+    \b
+    echo2swarm peers --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3...
+    echo2swarm peers --initial-peers ... --json | jq '.[] | select(.role == "rollout")'
+    """
+    addrs = split_addrs(initial_peers)
+    if not addrs:
+        fail("pass --initial-peers with the multiaddr of any peer in the swarm (each daemon prints it at start)")
+    from pydantic import ValidationError
+
+    from echo2swarm.config.models import OverlayConfig
+
+    try:
+        config = OverlayConfig(
+            swarm=swarm, initial_peers=addrs, client_mode=True, bootstrap_timeout_s=timeout, host_maddrs=[]
+        )
+    except ValidationError as e:
+        fail(f"--initial-peers/--swarm: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
+    import asyncio
+
+    asyncio.run(_peers(config, as_json, watch, interval))
+
+
+async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> None:
+    import asyncio
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from echo2swarm.overlay.census import census
+    from echo2swarm.overlay.node import BootstrapError, Overlay
+
+    try:
+        overlay = await Overlay.start(config, client_mode=True)
+    except BootstrapError as e:
+        fail(str(e))
+    try:
+        if not watch:
+            view = await census(overlay)
+            if as_json:
+                click.echo(json.dumps(view["peers"], indent=2))
+            else:
+                Console().print(peers_table(view))
+            return
+        with Live(console=Console(), auto_refresh=False) as live:
+            while True:
+                view = await census(overlay)
+                if as_json:
+                    click.echo(json.dumps(view["peers"]))
+                else:
+                    live.update(peers_table(view), refresh=True)
+                await asyncio.sleep(interval)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    finally:
+        await overlay.stop()

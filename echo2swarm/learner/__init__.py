@@ -1,0 +1,1 @@
+"""The learning plane: the learner daemon, policy publishing (and, next, GRPO training)."""

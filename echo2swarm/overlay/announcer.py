@@ -1,0 +1,49 @@
+"""Periodic re-announcement of a peer's records, so they outlive no daemon by more than one TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class Announcer:
+    """Calls `announce()` every `period` seconds, and at once when `trigger()` is called.
+
+    >>> announcer = Announcer(10.0, publish_my_card)
+    >>> task = asyncio.create_task(announcer.run(stop_event))
+    >>> announcer.trigger()          # e.g. right after a new version is installed
+    """
+
+    def __init__(self, period: float, announce: Callable[[], Awaitable[None]], name: str = "records"):
+        self.period = period
+        self.announce = announce
+        self.name = name
+        self._wake = asyncio.Event()
+        self.announcements = 0
+
+    def trigger(self) -> None:
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self.announce(), self.period)
+                self.announcements += 1
+            except asyncio.TimeoutError:
+                logger.warning("announcing %s took longer than the %.1f s period", self.name, self.period)
+            except Exception as e:
+                logger.warning("announcing %s failed: %s: %s", self.name, type(e).__name__, e)
+            took = time.monotonic() - started
+            if took > 0.5 * self.period:
+                logger.warning("announcing %s is running late (%.1f s of a %.1f s period)", self.name, took, self.period)
+            self._wake.clear()
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+            _, pending = await asyncio.wait(waiters, timeout=max(0.0, self.period - took), return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()

@@ -1,0 +1,40 @@
+"""Who is in the swarm: live peer cards and announced heads, as plain rows for tables and JSON."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from echo2swarm.overlay.node import Overlay
+
+_ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
+
+
+async def census(overlay: Overlay) -> dict[str, Any]:
+    cards, bad_cards = await overlay.get_cards()
+    heads, bad_heads = await overlay.get_heads()
+    now_ms = time.time() * 1000
+    peers = [
+        {
+            "peer_id": c.peer_id,
+            "role": c.role,
+            "price": c.price,
+            "version": c.version,
+            "state": c.state,
+            "last_seen": round(max(0.0, now_ms - c.updated_ms) / 1000, 1),
+            "software": c.software,
+            "chunk_url": c.chunk_url,
+            "maddrs": c.maddrs,
+        }
+        for c in cards
+    ]
+    peers.sort(key=lambda p: (_ROLE_ORDER.get(p["role"], 9), p["peer_id"]))
+    return {
+        "swarm": overlay.config.swarm,
+        "peers": peers,
+        "heads": [
+            {"version": h.version, "public_key": h.public_key, "publisher": h.publisher, "signature_ok": h.signature_ok()}
+            for h in sorted(heads, key=lambda h: -h.version)
+        ],
+        "malformed_records": bad_cards + bad_heads,
+    }

@@ -1,0 +1,154 @@
+"""Follow the learner: watch its signed head in the DHT, fetch newer versions, install them.
+
+    DHT heads ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, chunks) ─► VersionStore
+                                                                         └─► on_version(v, dir)
+
+It runs as one task beside the daemon's other work, so whatever the peer does with the version
+it holds (generation, serving chunks) goes on while the next version downloads. Every refusal
+is counted by reason in `refused` and logged once per (reason, version, signer), so a peer
+spamming bad heads cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+
+from echo2swarm.config.models import FetchConfig, StoreConfig
+from echo2swarm.overlay.node import Overlay
+from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PolicyFetcher
+from echo2swarm.policy.manifest import HeadRecord, ManifestError, SignedManifest, verify_head
+from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.policy.trust import TrustAnchor
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+OnVersion = Callable[[int, Path], Awaitable[None]]
+
+
+class PolicyFollower:
+    def __init__(
+        self,
+        overlay: Overlay,
+        fetch: FetchConfig,
+        store: StoreConfig,
+        trust: TrustAnchor,
+        chunks: ChunkStore,
+        versions: VersionStore,
+        session: aiohttp.ClientSession,
+        on_version: OnVersion | None = None,
+    ):
+        self.overlay = overlay
+        self.swarm = overlay.config.swarm
+        self.fetch_config = fetch
+        self.store_config = store
+        self.trust = trust
+        self.chunks = chunks
+        self.versions = versions
+        self.session = session
+        self.on_version = on_version
+        self.fetcher = PolicyFetcher(fetch, chunks)
+        self.held_version: int | None = versions.latest()
+        self.fetching_version: int | None = None
+        self.refused: Counter[str] = Counter()
+        self.arrival_s: dict[int, float] = {}
+        self._logged: set[tuple[str, int, str]] = set()
+
+    @property
+    def state(self) -> str:
+        return "syncing" if self.fetching_version is not None or self.held_version is None else "ready"
+
+    def _refuse(self, error: ManifestError, head: HeadRecord) -> None:
+        self.refused[error.reason] += 1
+        tag = (error.reason, head.version, head.public_key)
+        if tag not in self._logged:
+            self._logged.add(tag)
+            logger.warning("refused policy head v%d (%s): %s", head.version, error.reason, error)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        failures = 0
+        while not stop.is_set():
+            try:
+                await self.step()
+                failures = 0
+            except (FetchError, ManifestError) as e:
+                failures += 1
+                logger.warning("version fetch failed (attempt %d): %s", failures, e)
+            except Exception:
+                failures += 1
+                logger.exception("policy follower step failed")
+            delay = self.fetch_config.head_poll_s
+            if failures:
+                delay = max(delay, min(60.0, self.fetch_config.retry_backoff_s * 2 ** (failures - 1)))
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    async def step(self) -> int | None:
+        """Look once; fetch and install a newer version if one is announced. Returns the version installed."""
+        heads, _ = await self.overlay.get_heads()
+        head = self.trust.select(heads, self.swarm)
+        if head is None:
+            return None
+        try:
+            verify_head(head, trusted=self.trust.key, swarm=self.swarm, held_version=self.held_version)
+        except ManifestError as e:
+            if not (e.reason == "stale_version" and head.version == self.held_version):
+                self._refuse(e, head)
+            return None
+        assert self.trust.key is not None
+        sources = await self.sources(head)
+        if not sources:
+            raise FetchError(f"v{head.version}: no peer serving it is reachable yet")
+        started = time.monotonic()
+        self.fetching_version = head.version
+        try:
+            try:
+                manifest, envelope = await self.fetcher.fetch_manifest(head, sources, trusted=self.trust.key, swarm=self.swarm)
+            except ManifestError as e:
+                self._refuse(e, head)
+                return None
+            fetched = await self.fetcher.fetch_chunks(manifest, sources)
+            path = await asyncio.to_thread(self.versions.install, manifest, envelope, self.chunks)
+        finally:
+            self.fetching_version = None
+        self.held_version = manifest.version
+        self.arrival_s[manifest.version] = time.monotonic() - started
+        logger.info(
+            "installed policy v%d (%d files, %d bytes, %d chunks fetched) in %.2f s at %s",
+            manifest.version, len(manifest.files), manifest.total_bytes, fetched, self.arrival_s[manifest.version], path,
+        )
+        await asyncio.to_thread(self.collect_garbage)
+        if self.on_version is not None:
+            await self.on_version(manifest.version, path)
+        return manifest.version
+
+    async def sources(self, head: HeadRecord) -> list[ChunkSource]:
+        cards, _ = await self.overlay.get_cards()
+        return [
+            HttpSource(self.session, card.chunk_url, self.fetch_config, name=f"{card.role}:{card.peer_id[-8:]}")
+            for card in cards
+            if card.peer_id == head.publisher and card.chunk_url
+        ]
+
+    def collect_garbage(self) -> None:
+        """Keep the newest `keep_versions` versions and the chunks they reference."""
+        versions = self.versions.versions()
+        keep, drop = versions[-self.store_config.keep_versions:], versions[: -self.store_config.keep_versions]
+        for v in drop:
+            self.versions.remove(v)
+        if drop:
+            referenced: set[str] = set()
+            for v in keep:
+                data = self.versions.manifest_bytes(v)
+                if data:
+                    manifest = SignedManifest.model_validate_json(data).manifest
+                    referenced.update(ref.sha256 for ref in manifest.chunk_refs())
+            removed = self.chunks.remove_except(referenced)
+            logger.info("garbage-collected versions %s and %d chunks", drop, removed)

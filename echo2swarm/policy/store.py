@@ -1,0 +1,144 @@
+"""On-disk stores: content-addressed chunks and installed policy versions.
+
+    state_dir/chunks/ab/abcd...            one file per verified chunk (sha256 name)
+    state_dir/versions/v00000007/          a plain Hugging Face model directory
+    state_dir/versions/v00000007.manifest  the signed manifest envelope, exactly as served
+
+Every write is write-to-temp then rename, so a crash never leaves a half chunk or half version
+that a reader (or the chunk server) could mistake for a whole one. A chunk is only ever stored
+after its bytes hash to its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from echo2swarm.policy.manifest import Manifest
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+class ChunkHashError(ValueError):
+    """Bytes that do not hash to the chunk's name; never stored, never served."""
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class ChunkStore:
+    def __init__(self, root: Path):
+        self.root = Path(root) / "chunks"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha256: str) -> Path:
+        if not _HEX64.match(sha256):
+            raise ValueError(f"not a sha256: {sha256[:80]!r}")
+        return self.root / sha256[:2] / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def put(self, sha256: str, data: bytes) -> None:
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ChunkHashError(f"chunk bytes do not hash to {sha256[:16]}...")
+        path = self.path(sha256)
+        if not path.exists():
+            _atomic_write(path, data)
+
+    def get(self, sha256: str) -> bytes:
+        return self.path(sha256).read_bytes()
+
+    def remove_except(self, keep: set[str]) -> int:
+        removed = 0
+        for sub in self.root.iterdir():
+            for f in sub.iterdir() if sub.is_dir() else []:
+                if f.name not in keep:
+                    f.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+
+class VersionStore:
+    """Installed versions; `install` assembles a model directory from verified chunks, atomically."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root) / "versions"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def dir(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def manifest_path(self, version: int) -> Path:
+        return self.root / f"v{version:08d}.manifest"
+
+    def versions(self) -> list[int]:
+        found = []
+        for entry in self.root.iterdir():
+            m = _VERSION_DIR.match(entry.name)
+            if m and entry.is_dir() and self.manifest_path(int(m.group(1))).is_file():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def manifest_bytes(self, version: int) -> bytes | None:
+        try:
+            return self.manifest_path(version).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore) -> Path:
+        """Assemble every file of `manifest` from `chunks`, check whole-file hashes, then publish."""
+        final = self.dir(manifest.version)
+        if final.is_dir() and self.manifest_path(manifest.version).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-v{manifest.version}-"))
+        try:
+            for entry in manifest.files:
+                digest = hashlib.sha256()
+                with open(tmp / entry.name, "wb") as out:
+                    for ref in entry.chunks:
+                        data = chunks.get(ref.sha256)
+                        digest.update(data)
+                        out.write(data)
+                if digest.hexdigest() != entry.sha256:
+                    raise ChunkHashError(f"{entry.name} assembled from verified chunks does not match its sha256")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # The manifest goes last: a version counts as installed only once it is there.
+        _atomic_write(self.manifest_path(manifest.version), envelope)
+        return final
+
+    def remove(self, version: int) -> None:
+        self.manifest_path(version).unlink(missing_ok=True)
+        shutil.rmtree(self.dir(version), ignore_errors=True)
+
+    def clean_temporaries(self) -> None:
+        for entry in self.root.iterdir():
+            if entry.name.startswith(".tmp-"):
+                shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)

@@ -1,0 +1,1 @@
+"""The rollout plane: the rollout daemon's service (and, next, generation engines)."""

@@ -1,0 +1,281 @@
+"""The daemon every participant runs; the role only changes which service sits in the middle.
+
+    start: overlay (DHT + p2pd) ─► chunk server ─► role service ─► announcer ─► daemon.json
+    run:   supervise the role service (restart with back-off if it crashes) and the announcer
+    stop:  SIGTERM/SIGINT ─► role service, announce `stopping`, chunk server, DHT node, p2pd
+
+Back-pressure: the follower fetches one version at a time with a bounded number of chunks in
+flight; the chunk server caps concurrent responses. `daemon.json` in the state dir tells tests
+and tools the peer id, multiaddrs and chunk URL without parsing logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from echo2swarm import __version__
+from echo2swarm.config.loading import dump_config
+from echo2swarm.overlay.announcer import Announcer
+from echo2swarm.overlay.node import BootstrapError, Overlay
+from echo2swarm.overlay.records import PeerCard
+from echo2swarm.policy.server import ChunkServer
+from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
+STOP_BUDGET_S = 4.0
+
+
+@dataclass
+class DaemonContext:
+    """What every role service gets: the shared parts of one daemon."""
+
+    config: Any
+    overlay: Overlay
+    chunks: ChunkStore
+    versions: VersionStore
+    session: aiohttp.ClientSession
+    announcer: Announcer | None = None
+    extra_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class RoleService(Protocol):
+    async def start(self) -> None: ...
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+    async def announce(self) -> None: ...
+
+    def card_fields(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class BootstrapService:
+    """Keeps the DHT reachable; holds no policy."""
+
+    async def start(self) -> None:
+        return None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+
+    async def announce(self) -> None:
+        return None
+
+    def card_fields(self) -> dict[str, Any]:
+        return {"version": None, "state": "ready"}
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def _make_service(ctx: DaemonContext) -> RoleService:
+    role = ctx.config.role
+    if role == "learner":
+        from echo2swarm.learner.daemon import LearnerService
+
+        return LearnerService(ctx)
+    if role in ("rollout", "relay"):
+        from echo2swarm.rollout.daemon import FollowerService
+
+        return FollowerService(ctx)
+    return BootstrapService()
+
+
+def _pick_host(maddrs: list[str]) -> str:
+    """The best address other peers can reach us at: public, then private, then loopback."""
+    ips = []
+    for addr in maddrs:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            with contextlib.suppress(ValueError):
+                ips.append(ipaddress.ip_address(parts[2]))
+    ips = [ip for ip in ips if not ip.is_unspecified]
+    for wanted in (lambda ip: ip.is_global, lambda ip: ip.is_private and not ip.is_loopback, lambda ip: ip.is_loopback):
+        for ip in ips:
+            if wanted(ip):
+                return f"[{ip}]" if ip.version == 6 else str(ip)
+    return "127.0.0.1"
+
+
+class Daemon:
+    def __init__(self, config: Any):
+        self.config = config
+        self.stop_event = asyncio.Event()
+        self.started_at = time.time()
+        self.chunk_url: str | None = None
+        self.server: ChunkServer | None = None
+        self.ctx: DaemonContext | None = None
+        self.service: RoleService | None = None
+        self.maddrs: list[str] = []
+
+    # -- records -------------------------------------------------------------------------------
+    def card(self, state: str | None = None) -> PeerCard:
+        assert self.ctx is not None and self.service is not None
+        fields = self.service.card_fields()
+        return PeerCard(
+            peer_id=self.ctx.overlay.peer_id,
+            role=self.config.role,
+            price=self.config.price,
+            version=fields.get("version"),
+            state=state or fields.get("state", "ready"),
+            software=__version__,
+            maddrs=self.maddrs[:8],
+            chunk_url=self.chunk_url,
+            updated_ms=int(time.time() * 1000),
+        )
+
+    async def _announce(self) -> None:
+        assert self.ctx is not None and self.service is not None
+        await self.service.announce()
+        if not await self.ctx.overlay.store_card(self.card()):
+            logger.warning("no DHT peer accepted our peer card (is the swarm reachable?)")
+
+    def info(self) -> dict[str, Any]:
+        """Served at GET /v1/info; also what `stats` tools read."""
+        assert self.ctx is not None and self.service is not None
+        stats = dict(self.service.stats())
+        if self.server is not None:
+            stats["server"] = dict(self.server.stats)
+        stats["dht_refused"] = self.ctx.overlay.validator.refused
+        return {
+            "peer_id": self.ctx.overlay.peer_id,
+            "role": self.config.role,
+            "swarm": self.config.overlay.swarm,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            **self.service.card_fields(),
+            "stats": stats,
+        }
+
+    def _write_ready_file(self) -> None:
+        assert self.ctx is not None
+        path = Path(self.config.state_dir) / "daemon.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({
+            "peer_id": self.ctx.overlay.peer_id,
+            "role": self.config.role,
+            "swarm": self.config.overlay.swarm,
+            "maddrs": self.maddrs,
+            "chunk_url": self.chunk_url,
+            "pid": os.getpid(),
+            "software": __version__,
+        }, indent=2))
+        os.replace(tmp, path)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def _supervise(self, service: RoleService) -> None:
+        failures = 0
+        while not self.stop_event.is_set():
+            try:
+                await service.run(self.stop_event)
+                return
+            except Exception:
+                failures += 1
+                delay = min(30.0, 0.5 * 2**failures)
+                logger.exception("%s service crashed (%d); restarting in %.1f s", self.config.role, failures, delay)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop_event.wait(), delay)
+
+    async def run(self) -> int:
+        config = self.config
+        state_dir = Path(config.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        (state_dir / "daemon.json").unlink(missing_ok=True)
+        logger.info("echo2swarm %s %s daemon, resolved config: %s", __version__, config.role, dump_config(config))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+
+        try:
+            overlay = await Overlay.start(config.overlay)
+        except BootstrapError as e:
+            logger.error("%s", e)
+            return EXIT_CONFIG
+        session = aiohttp.ClientSession()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            self.maddrs = await overlay.visible_maddrs()
+            self.ctx = DaemonContext(config, overlay, ChunkStore(state_dir), VersionStore(state_dir), session)
+            self.ctx.versions.clean_temporaries()
+            if config.role != "bootstrap" and config.chunk_server.enabled:
+                self.server = ChunkServer(config.chunk_server, self.ctx.chunks, self.ctx.versions, info=self.info)
+                port = await self.server.start()
+                host = config.chunk_server.host
+                if host in ("0.0.0.0", "::", ""):
+                    host = _pick_host(self.maddrs)
+                self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
+            self.service = _make_service(self.ctx)
+            await self.service.start()
+            announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
+            self.ctx.announcer = announcer
+            tasks = [
+                asyncio.create_task(self._supervise(self.service)),
+                asyncio.create_task(announcer.run(self.stop_event)),
+            ]
+            self._write_ready_file()
+            print(
+                f"echo2swarm {config.role} {overlay.peer_id} is up in swarm '{config.overlay.swarm}'"
+                + (f"; chunks at {self.chunk_url}" if self.chunk_url else ""),
+                flush=True,
+            )
+            if self.maddrs:
+                print("To join this swarm, pass any of these to --initial-peers:", flush=True)
+                for addr in self.maddrs:
+                    print(f"  {addr}", flush=True)
+            await self.stop_event.wait()
+            logger.info("stopping %s daemon", config.role)
+            return EXIT_OK
+        except Exception:
+            logger.exception("%s daemon failed", config.role)
+            return EXIT_FAILED
+        finally:
+            self.stop_event.set()
+            await self._shutdown(overlay, session, tasks)
+
+    async def _shutdown(self, overlay: Overlay, session: aiohttp.ClientSession, tasks: list[asyncio.Task[None]]) -> None:
+        deadline = time.monotonic() + STOP_BUDGET_S
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            for task in pending:
+                task.cancel()
+        if self.service is not None:
+            # Tell the swarm at once instead of leaving a card that looks alive for one more TTL.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(overlay.store_card(self.card("stopping"), ttl=2.0), 0.5)
+        if self.server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.stop(), 1.0)
+        await session.close()
+        await overlay.stop(timeout=max(0.5, (deadline - time.monotonic()) / 2))
+        (Path(self.config.state_dir) / "daemon.json").unlink(missing_ok=True)
+
+
+def preflight(config: Any) -> None:
+    """Check keys and files before touching the network; raises ValueError with a user-facing message."""
+    if config.role == "learner":
+        from echo2swarm.learner.publisher import model_files
+        from echo2swarm.policy.signing import PolicyKey
+
+        PolicyKey.load(config.publish.policy_key)
+        model_files(config.publish.model)
+    elif config.role in ("rollout", "relay") and config.trust:
+        from echo2swarm.policy.signing import load_trusted_key
+
+        load_trusted_key(config.trust)
+
+
+def run_daemon(config: Any) -> int:
+    return asyncio.run(Daemon(config).run())
