@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
+
+from helpers.swarm import LocalSwarm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from echo2swarm.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture
+def policy_key(tmp_path: Path) -> Path:
+    from echo2swarm.policy.signing import PolicyKey
+
+    path = tmp_path / "learner.key"
+    PolicyKey.generate().save(path)
+    return path
+
+
+@pytest.fixture
+def local_swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
+    swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8))
+    try:
+        yield swarm
+    finally:
+        swarm.close()

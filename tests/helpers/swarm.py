@@ -1,0 +1,126 @@
+"""Real daemons on 127.0.0.1 for swarm and e2e tests; every process ended by its own pid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from echo2swarm.runtime.processes import DaemonProcess, child_pids, pid_alive, wait_until
+
+ANNOUNCE_PERIOD_S = 1.0
+RECORD_TTL_S = 4.0
+
+
+def local_args(swarm: str) -> list[str]:
+    return [
+        "--swarm", swarm, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
+        "--announce-period", str(ANNOUNCE_PERIOD_S), "--record-ttl", str(RECORD_TTL_S), "--log-level", "DEBUG",
+    ]
+
+
+def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "echo2swarm.cli.main", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+    )
+
+
+class LocalSwarm:
+    """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left."""
+
+    def __init__(self, root: Path, swarm: str = "test"):
+        self.root = root
+        self.swarm = swarm
+        self.daemons: list[DaemonProcess] = []
+        self._children: set[int] = set()
+        self.bootstrap_addr: str | None = None
+
+    def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True) -> DaemonProcess:
+        extra = ["--initial-peers", self.bootstrap_addr] if join and self.bootstrap_addr else []
+        d = DaemonProcess(name, [*local_args(self.swarm), *extra, *args], state_dir or self.root / name)
+        self.daemons.append(d.start())
+        return d
+
+    def ready(self, daemon: DaemonProcess, timeout: float = 60.0) -> dict[str, Any]:
+        info = daemon.wait_ready(timeout)
+        self._children.update(child_pids(daemon.pid))
+        return info
+
+    def bootstrap(self) -> DaemonProcess:
+        d = self.start("bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
+        self.ready(d)
+        self.bootstrap_addr = d.maddr
+        return d
+
+    def learner(self, model: Path, key: Path, *args: str, name: str = "learner", **kw: Any) -> DaemonProcess:
+        return self.start(name, "--role", "learner", "--model", str(model), "--policy-key", str(key), *args, **kw)
+
+    def rollout(self, name: str, *args: str, price: float = 0.3, trust: Path | None = None, **kw: Any) -> DaemonProcess:
+        trust_args = ["--trust", f"{trust}"] if trust else []
+        return self.start(name, "--role", "rollout", "--price", str(price), *trust_args, *args, **kw)
+
+    def close(self) -> None:
+        for d in reversed(self.daemons):
+            if d.running():
+                self._children.update(child_pids(d.pid))
+            d.terminate(grace=10)
+        for pid in self._children:  # only pids our daemons spawned (p2pd)
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class SwarmWatcher:
+    """An in-process DHT client that reads the swarm's census quickly (the CLI pays import time per call)."""
+
+    def __init__(self, addr: str, swarm: str):
+        from echo2swarm.config.models import OverlayConfig
+
+        self.config = OverlayConfig(swarm=swarm, initial_peers=[addr], host_maddrs=[])
+        self.loop = asyncio.new_event_loop()
+        self.overlay: Any = None
+
+    def __enter__(self) -> "SwarmWatcher":
+        from echo2swarm.overlay.node import Overlay
+
+        self.overlay = self.loop.run_until_complete(Overlay.start(self.config, client_mode=True))
+        return self
+
+    def census(self) -> dict[str, Any]:
+        from echo2swarm.overlay.census import census
+
+        return self.loop.run_until_complete(census(self.overlay))
+
+    def peers(self) -> dict[str, dict[str, Any]]:
+        return {p["peer_id"]: p for p in self.census()["peers"]}
+
+    def __exit__(self, *exc: object) -> None:
+        self.loop.run_until_complete(self.overlay.stop())
+        # hivemind leaves store/ping tasks behind; end them so closing the loop is quiet.
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
+
+def peers_json(addr: str, swarm: str, timeout: float = 60.0) -> list[dict[str, Any]]:
+    result = run_cli("peers", "--initial-peers", addr, "--swarm", swarm, "--json", timeout=timeout)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "peers_json", "run_cli", "wait_until", "time"]
