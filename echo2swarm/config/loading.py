@@ -106,7 +106,9 @@ def _describe(loc: tuple[Any, ...], role: str) -> str:
     if parts and parts[0] == role:
         parts = parts[1:]
     dotted = ".".join(p for p in parts if not p.isdigit())
-    where = ".".join(parts) or "(config)"
+    if not dotted:  # a whole-config check: its message names the flags itself
+        return "configuration"
+    where = ".".join(parts)
     hints = [f"[{dotted.rsplit('.', 1)[0]}] in TOML" if "." in dotted else "TOML top level"]
     if dotted in FLAG_FOR_FIELD:
         hints.insert(0, FLAG_FOR_FIELD[dotted])

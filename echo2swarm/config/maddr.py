@@ -32,19 +32,19 @@ def _ip6(v: str) -> bool:
 
 
 def _port(v: str) -> bool:
-    return bool(_PORT.match(v)) and int(v) <= 65535
+    return bool(_PORT.fullmatch(v)) and int(v) <= 65535
 
 
 _PROTOCOLS = {
     "ip4": _ip4,
     "ip6": _ip6,
-    "dns": _DNS_NAME.match,
-    "dns4": _DNS_NAME.match,
-    "dns6": _DNS_NAME.match,
+    "dns": _DNS_NAME.fullmatch,
+    "dns4": _DNS_NAME.fullmatch,
+    "dns6": _DNS_NAME.fullmatch,
     "tcp": _port,
     "udp": _port,
-    "p2p": _BASE58_PEER_ID.match,
-    "ipfs": _BASE58_PEER_ID.match,
+    "p2p": _BASE58_PEER_ID.fullmatch,
+    "ipfs": _BASE58_PEER_ID.fullmatch,
     "quic": None,
     "quic-v1": None,
     "ws": None,

@@ -23,7 +23,8 @@ MiB = 1024 * 1024
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Env values are parsed as JSON, so ECHO2SWARM_OVERLAY__SWARM=2024 arrives as a number.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class OverlayConfig(StrictModel):
@@ -63,7 +64,7 @@ class OverlayConfig(StrictModel):
     @field_validator("swarm")
     @classmethod
     def _swarm_name(cls, v: str) -> str:
-        if not _SWARM_NAME.match(v):
+        if not _SWARM_NAME.fullmatch(v):
             raise ValueError("swarm names are 1-64 chars of a-z, 0-9, '.', '_', '-' and start with a letter or digit")
         return v
 
@@ -122,7 +123,7 @@ class ChunkServerConfig(StrictModel):
     @field_validator("public_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^/\s]+(:\d+)?/?$", v):
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", v):
             raise ValueError("public_url must look like http://203.0.113.5:8080")
         return v.rstrip("/") if v else v
 

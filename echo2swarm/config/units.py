@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -18,10 +19,10 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, bool):
         raise ValueError("a byte size must be a number or a string like '8MiB'")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError("a byte size must not be negative")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("a byte size must be a finite number >= 0")
         return int(value)
-    match = _SIZE.match(str(value))
+    match = _SIZE.fullmatch(str(value))
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"{value!r} is not a byte size; use e.g. 8388608, '8MiB', '16MB', '512KiB'")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -36,14 +36,14 @@ class PeerCard(BaseModel):
     @field_validator("peer_id")
     @classmethod
     def _peer_id(cls, v: str) -> str:
-        if not _PEER_ID.match(v):
+        if not _PEER_ID.fullmatch(v):
             raise ValueError("peer_id must be a base58 libp2p peer id")
         return v
 
     @field_validator("chunk_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^/\s]+$", v):
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+", v):
             raise ValueError("chunk_url must be http(s)://host:port")
         return v
 

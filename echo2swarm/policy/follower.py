@@ -4,9 +4,9 @@
                                                                          └─► on_version(v, dir)
 
 It runs as one task beside the daemon's other work, so whatever the peer does with the version
-it holds (generation, serving chunks) goes on while the next version downloads. Every refusal
-is counted by reason in `refused` and logged once per (reason, version, signer), so a peer
-spamming bad heads cannot flood the log.
+it holds (generation, serving chunks) goes on while the next version downloads. Every refused head is
+counted by reason in `refused` and logged, once per distinct (reason, version, signer): a peer
+re-announcing the same bad head every period can neither flood the log nor inflate the counts.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ class PolicyFollower:
         return "syncing" if self.fetching_version is not None or self.held_version is None else "ready"
 
     def _refuse(self, error: ManifestError, head: HeadRecord) -> None:
-        self.refused[error.reason] += 1
         tag = (error.reason, head.version, head.public_key)
         if tag not in self._logged:
             self._logged.add(tag)
+            self.refused[error.reason] += 1
             logger.warning("refused policy head v%d (%s): %s", head.version, error.reason, error)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -94,6 +94,11 @@ class PolicyFollower:
         """Look once; fetch and install a newer version if one is announced. Returns the version installed."""
         heads, _ = await self.overlay.get_heads()
         head = self.trust.select(heads, self.swarm)
+        if self.trust.key is not None:
+            for other in heads:
+                if other.public_key != self.trust.key.text:
+                    self._refuse(ManifestError("untrusted_key", f"head signed by {other.public_key[8:24]}..., "
+                                               "not the pinned learner key"), other)
         if head is None:
             return None
         try:

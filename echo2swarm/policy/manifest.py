@@ -60,7 +60,7 @@ class FileEntry(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _FILE_NAME.match(v):
+        if not _FILE_NAME.fullmatch(v):
             raise ValueError(f"file name {v!r} is not a plain file name")
         return v
 

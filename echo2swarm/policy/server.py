@@ -94,7 +94,7 @@ class ChunkServer:
 
     async def _chunk(self, request: web.Request) -> web.StreamResponse:
         sha = request.match_info["sha256"]
-        if not _HEX64.match(sha):
+        if not _HEX64.fullmatch(sha):
             raise web.HTTPBadRequest(text="chunk id must be 64 lowercase hex chars")
         path = self.chunks.path(sha)
         if not path.is_file():

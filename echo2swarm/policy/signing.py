@@ -120,6 +120,7 @@ class PolicyKey:
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply when overwriting an existing file
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
         pub_path.write_text(self.public.text + "\n")
@@ -133,7 +134,10 @@ def load_trusted_key(spec: str) -> PublicKey:
     """`--trust` value: an inline 'ed25519:<hex>' key or a path to a KEY.pub file."""
     spec = spec.strip()
     if spec.startswith(PUBLIC_PREFIX):
-        return PublicKey.parse(spec)
+        try:
+            return PublicKey.parse(spec)
+        except KeyFileError as e:
+            raise KeyFileError(f"--trust {spec[:40]!r}: {e}") from None
     path = Path(spec).expanduser()
     if not path.is_file():
         raise KeyFileError(f"--trust {spec!r}: no such key file (pass the learner's KEY.pub or 'ed25519:<hex>')")

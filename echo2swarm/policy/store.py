@@ -50,7 +50,7 @@ class ChunkStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
-        if not _HEX64.match(sha256):
+        if not _HEX64.fullmatch(sha256):
             raise ValueError(f"not a sha256: {sha256[:80]!r}")
         return self.root / sha256[:2] / sha256
 
@@ -93,7 +93,7 @@ class VersionStore:
     def versions(self) -> list[int]:
         found = []
         for entry in self.root.iterdir():
-            m = _VERSION_DIR.match(entry.name)
+            m = _VERSION_DIR.fullmatch(entry.name)
             if m and entry.is_dir() and self.manifest_path(int(m.group(1))).is_file():
                 found.append(int(m.group(1)))
         return sorted(found)

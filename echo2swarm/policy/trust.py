@@ -41,7 +41,7 @@ class TrustAnchor:
 
     def select(self, heads: list[HeadRecord], swarm: str) -> HeadRecord | None:
         if self.key is not None:
-            mine = [h for h in heads if h.public_key == self.key.text]
+            mine = [h for h in heads if h.public_key == self.key.text and h.swarm == swarm and h.signature_ok()]
             return max(mine, key=lambda h: h.version) if mine else None
         signers = {h.public_key for h in heads if h.swarm == swarm and h.signature_ok()}
         if len(signers) > 1:

@@ -229,22 +229,12 @@ def test_chunk_size_refuses_bad_sizes(given: object) -> None:
     assert "--chunk-size" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="units.parse_bytes calls int(inf) for a non-finite float and raises OverflowError, "
-    "which pydantic does not turn into a validation error, so load_config leaks it instead of a ConfigError",
-)
 def test_chunk_size_infinity_is_a_config_error(tmp_path: Path) -> None:
     path = write_toml(tmp_path, 'role = "learner"\n[publish]\nmodel = "m"\npolicy_key = "k"\nchunk_size = inf\n')
     with pytest.raises(ConfigError):
         load_config(None, path, environ={})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="loading.env_overrides parses ECHO2SWARM_OVERLAY__SWARM=2024 as the JSON integer 2024, and the "
-    "str field refuses an int, so a valid all-digit swarm name cannot be set from the environment",
-)
 def test_numeric_looking_swarm_name_from_environment() -> None:
     config = load_config("rollout", None, environ={"ECHO2SWARM_OVERLAY__SWARM": "2024"})
     assert config.overlay.swarm == "2024"

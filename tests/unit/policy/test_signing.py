@@ -113,11 +113,6 @@ def test_load_trusted_key_malformed_inline_is_refused(spec: str) -> None:
         load_trusted_key(spec)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_trusted_key wraps PublicKey.parse errors with '--trust ...' only for key files; "
-    "a malformed inline 'ed25519:...' key raises a message that does not name the flag",
-)
 @pytest.mark.parametrize("spec", ["ed25519:" + "zz" * 32, "ed25519:" + "ab" * 31])
 def test_load_trusted_key_malformed_inline_names_the_flag(spec: str) -> None:
     with pytest.raises(KeyFileError, match="--trust"):
@@ -162,11 +157,6 @@ def test_canonical_bytes_refuses_floats(obj: object) -> None:
         canonical_bytes(obj)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="PolicyKey.save opens with os.open(..., 0o600) and O_TRUNC; the mode only applies to new files, "
-    "so overwrite=True over an existing world-readable file leaves the new private key world-readable",
-)
 def test_overwritten_private_key_is_mode_0600(tmp_path: Path, key: PolicyKey) -> None:
     path = tmp_path / "learner.key"
     path.write_text("old")
