@@ -58,7 +58,7 @@ class OverlayConfig(StrictModel):
     p2p_startup_timeout_s: float = Field(20.0, gt=0, description="Seconds for the libp2p daemon (p2pd) to start.")
     announce_period_s: float = Field(10.0, gt=0, description="Seconds between re-announcements of this peer's records.")
     record_ttl_s: float = Field(
-        30.0, gt=0, description="Seconds a record lives in the DHT without re-announcement (~3x announce_period_s)."
+        30.0, gt=0, le=3600, description="Seconds a record lives in the DHT without re-announcement (~3x announce_period_s)."
     )
 
     @field_validator("swarm")
@@ -115,7 +115,8 @@ class ChunkServerConfig(StrictModel):
     host: str = Field("0.0.0.0", description="Interface to bind.")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     public_url: str | None = Field(
-        None, description="URL other peers use (http://host:port). None: derived from the bound port and overlay addresses."
+        None, max_length=200,
+        description="URL other peers use (http://host:port). None: derived from the bound port and overlay addresses.",
     )
     max_connections: int = Field(64, ge=1, description="Concurrent HTTP connections served at most.")
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one chunk response may take before it is cut.")
@@ -123,7 +124,7 @@ class ChunkServerConfig(StrictModel):
     @field_validator("public_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", v):
+        if v is not None and not re.fullmatch(r"http://[^/\s]+(:\d+)?/?", v):
             raise ValueError("public_url must look like http://203.0.113.5:8080")
         return v.rstrip("/") if v else v
 

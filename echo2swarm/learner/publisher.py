@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from echo2swarm.policy.manifest import (
@@ -49,11 +50,21 @@ def model_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@dataclass(frozen=True)
+class PublishedVersion:
+    """A version in the learner's stores, ready to be announced by a signed head."""
+
+    version: int
+    manifest_sha256: str
+    manifest_size: int
+
+
 class Publisher:
     """Build and sign versions into the learner's own stores, which its chunk server serves.
 
     >>> publisher = Publisher("demo", PolicyKey.load(key_path), chunks, versions, 8 << 20, peer_id)
-    >>> head = publisher.publish_dir(Path("tiny"), version=1)    # then overlay.store_head(head)
+    >>> published = publisher.publish_dir(Path("tiny"), version=1)
+    >>> head = publisher.sign_head(published, ttl_s=30)           # re-signed at every announcement
     """
 
     def __init__(
@@ -84,7 +95,7 @@ class Publisher:
             header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
             return safetensors_tensors(path.name, prefix + f.read(min(header_len, SAFETENSORS_MAX_HEADER)))
 
-    def publish_dir(self, model_dir: Path, version: int) -> HeadRecord:
+    def publish_dir(self, model_dir: Path, version: int) -> PublishedVersion:
         started = time.monotonic()
         files = model_files(model_dir)
         entries = [self._add_file(p) for p in files]
@@ -99,18 +110,23 @@ class Publisher:
         )
         envelope = SignedManifest.sign(manifest, self.key).to_bytes()
         self.versions.install(manifest, envelope, self.chunks)
-        head = HeadRecord(
-            swarm=self.swarm,
-            version=version,
-            manifest_sha256=sha256_hex(envelope),
-            manifest_size=len(envelope),
-            publisher=self.peer_id,
-            published_ms=int(time.time() * 1000),
-            public_key=self.key.public.text,
-        ).signed(self.key)
         logger.info(
             "published policy v%d: %d files, %d bytes in %d chunks, signed by %s (%.2f s)",
             version, len(entries), manifest.total_bytes, sum(len(e.chunks) for e in entries),
             self.key.public.fingerprint, time.monotonic() - started,
         )
-        return head
+        return PublishedVersion(version, sha256_hex(envelope), len(envelope))
+
+    def sign_head(self, published: PublishedVersion, ttl_s: float) -> HeadRecord:
+        """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it)."""
+        now_ms = int(time.time() * 1000)
+        return HeadRecord(
+            swarm=self.swarm,
+            version=published.version,
+            manifest_sha256=published.manifest_sha256,
+            manifest_size=published.manifest_size,
+            publisher=self.peer_id,
+            published_ms=now_ms,
+            expires_ms=now_ms + int(ttl_s * 1000),
+            public_key=self.key.public.text,
+        ).signed(self.key)

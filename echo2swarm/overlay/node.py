@@ -169,10 +169,11 @@ class Overlay:
             peers_key(self.config.swarm), card.peer_id, card.model_dump(mode="json"), ttl or self.config.record_ttl_s
         )
 
-    async def store_head(self, head: HeadRecord, ttl: float | None = None) -> bool:
-        return await self._store(
-            head_key(self.config.swarm), head.public_key, head.model_dump(mode="json"), ttl or self.config.record_ttl_s
-        )
+    async def store_head(self, head: HeadRecord) -> bool:
+        """Stored until the head's own signed expiry, which every node enforces."""
+        return bool(await self.node.store(
+            head_key(self.config.swarm), head.model_dump(mode="json"), head.expires_ms / 1000, subkey=head.public_key
+        ))
 
     async def _get_dict(self, key: str) -> list[tuple[str, Any, float]]:
         found = await self.node.get(key, latest=True)

@@ -8,6 +8,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_RECORD_BYTES = 16 * 1024
+MAX_SUBKEY_BYTES = 256
+MAX_RECORD_TTL_S = 3600.0
+MAX_VERSION = 10**12
 
 PeerState = Literal["starting", "syncing", "ready", "stopping"]
 PEER_STATES: tuple[str, ...] = ("starting", "syncing", "ready", "stopping")
@@ -21,12 +24,12 @@ class RecordError(ValueError):
 class PeerCard(BaseModel):
     """What a daemon tells the swarm about itself; re-announced every announce period."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     peer_id: str = Field(max_length=128)
     role: Literal["learner", "rollout", "relay", "bootstrap"]
     price: float = Field(ge=0, le=10_000, allow_inf_nan=False, description="USD per hour")
-    version: int | None = Field(None, ge=0, description="policy version held; None: none yet")
+    version: int | None = Field(None, ge=0, le=MAX_VERSION, description="policy version held; None: none yet")
     state: PeerState
     software: str = Field(max_length=32)
     maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)

@@ -8,13 +8,15 @@ under other keys are only size-checked.
 
 from __future__ import annotations
 
+import time
+
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.overlay.keys import head_key, peers_key
-from echo2swarm.overlay.records import MAX_RECORD_BYTES, RecordError, parse_card
-from echo2swarm.policy.manifest import ManifestError, parse_head
+from echo2swarm.overlay.records import MAX_RECORD_BYTES, MAX_RECORD_TTL_S, MAX_SUBKEY_BYTES, RecordError, parse_card
+from echo2swarm.policy.manifest import HEAD_EXPIRY_SLACK_S, ManifestError, parse_head
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -43,6 +45,11 @@ class SwarmRecordValidator(RecordValidatorBase):
             return False, f"value of {len(record.value)} bytes exceeds {MAX_RECORD_BYTES}"
         if record.key not in (self._peers_id, self._head_id):
             return True, ""
+        if len(record.subkey) > MAX_SUBKEY_BYTES:
+            return False, f"subkey of {len(record.subkey)} bytes"
+        if record.expiration_time > time.time() + MAX_RECORD_TTL_S:
+            # Far-future expirations would let one store pin a record (hivemind keeps the latest expiry).
+            return False, f"expiration more than {MAX_RECORD_TTL_S:.0f} s ahead"
         try:
             subkey = MSGPackSerializer.loads(record.subkey) if record.subkey else None
             value = MSGPackSerializer.loads(record.value)
@@ -63,6 +70,8 @@ class SwarmRecordValidator(RecordValidatorBase):
                     return False, f"head for swarm {head.swarm!r}"
                 if not head.signature_ok():
                     return False, f"head v{head.version} with a bad signature"
+                if record.expiration_time > head.expires_ms / 1000 + HEAD_EXPIRY_SLACK_S:
+                    return False, f"head v{head.version} stored past its signed expiry (a replay?)"
         except (RecordError, ManifestError) as e:
             return False, str(e)
         return True, ""

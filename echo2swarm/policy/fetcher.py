@@ -93,7 +93,10 @@ class PolicyFetcher:
         for source in sources:
             try:
                 data = await source.manifest(head.version, limit)
-                return verify_manifest(data, head, trusted=trusted, swarm=swarm), data
+                manifest = verify_manifest(
+                    data, head, trusted=trusted, swarm=swarm, max_chunk_bytes=self.config.max_chunk_bytes
+                )
+                return manifest, data
             except SourceError as e:
                 self.stats["source_error"] += 1
                 last = e
@@ -140,7 +143,13 @@ class PolicyFetcher:
                     return
                 raise FetchError(f"chunk {ref.sha256[:12]} of v{manifest.version} failed {self.config.attempts_per_chunk} attempts")
 
-        async with asyncio.TaskGroup() as group:
-            for i, ref in enumerate(missing):
-                group.create_task(fetch_one(i, ref))
+        # gather, not a TaskGroup: callers get the FetchError itself rather than an ExceptionGroup.
+        tasks = [asyncio.create_task(fetch_one(i, ref)) for i, ref in enumerate(missing)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         return len(missing)

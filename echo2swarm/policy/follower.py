@@ -22,8 +22,8 @@ import aiohttp
 from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PolicyFetcher
-from echo2swarm.policy.manifest import HeadRecord, ManifestError, SignedManifest, verify_head
-from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.policy.manifest import HeadRecord, ManifestError, verify_head
+from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.policy.trust import TrustAnchor
 from echo2swarm.runtime.logging import get_logger
 
@@ -129,7 +129,7 @@ class PolicyFollower:
             "installed policy v%d (%d files, %d bytes, %d chunks fetched) in %.2f s at %s",
             manifest.version, len(manifest.files), manifest.total_bytes, fetched, self.arrival_s[manifest.version], path,
         )
-        await asyncio.to_thread(self.collect_garbage)
+        await asyncio.to_thread(collect_garbage, self.versions, self.chunks, self.store_config.keep_versions)
         if self.on_version is not None:
             await self.on_version(manifest.version, path)
         return manifest.version
@@ -141,19 +141,3 @@ class PolicyFollower:
             for card in cards
             if card.peer_id == head.publisher and card.chunk_url
         ]
-
-    def collect_garbage(self) -> None:
-        """Keep the newest `keep_versions` versions and the chunks they reference."""
-        versions = self.versions.versions()
-        keep, drop = versions[-self.store_config.keep_versions:], versions[: -self.store_config.keep_versions]
-        for v in drop:
-            self.versions.remove(v)
-        if drop:
-            referenced: set[str] = set()
-            for v in keep:
-                data = self.versions.manifest_bytes(v)
-                if data:
-                    manifest = SignedManifest.model_validate_json(data).manifest
-                    referenced.update(ref.sha256 for ref in manifest.chunk_refs())
-            removed = self.chunks.remove_except(referenced)
-            logger.info("garbage-collected versions %s and %d chunks", drop, removed)

@@ -28,6 +28,11 @@ _FILE_NAME = re.compile(r"^(?!\.)[A-Za-z0-9._-]{1,128}$")
 MAX_FILES = 256
 MAX_CHUNKS = 1 << 20
 MAX_TENSORS = 1 << 16
+MAX_VERSION = 10**12
+MAX_CHUNK_SIZE = 64 * 1024 * 1024
+# How far past its signed expiry a head may live in the DHT (clock skew between peers).
+HEAD_EXPIRY_SLACK_S = 5.0
+_PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -40,7 +45,8 @@ class ManifestError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "5" or 5.0 is not the int 5, so each signed object has exactly one wire form.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
@@ -72,16 +78,16 @@ class FileEntry(_Strict):
 class TensorInfo(_Strict):
     name: str = Field(max_length=512)
     dtype: str = Field(max_length=16)
-    shape: list[int]
-    file: str
+    shape: list[Annotated[int, Field(ge=0)]] = Field(max_length=16)
+    file: str = Field(max_length=128)
 
 
 class Manifest(_Strict):
     format: Literal["echo2swarm-manifest/1"] = MANIFEST_FORMAT
     swarm: str = Field(max_length=64)
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=MAX_VERSION)
     created_ms: int = Field(ge=0)
-    chunk_size: int = Field(gt=0)
+    chunk_size: int = Field(gt=0, le=MAX_CHUNK_SIZE)
     files: list[FileEntry] = Field(min_length=1, max_length=MAX_FILES)
     tensors: list[TensorInfo] = Field(default_factory=list, max_length=MAX_TENSORS)
 
@@ -89,6 +95,8 @@ class Manifest(_Strict):
         names = [f.name for f in self.files]
         if len(set(names)) != len(names):
             raise ValueError("duplicate file names")
+        if any(t.file not in names for t in self.tensors):
+            raise ValueError("a tensor names a file the manifest does not list")
         for f in self.files:
             if any(c.size > self.chunk_size for c in f.chunks):
                 raise ValueError(f"file {f.name}: a chunk is larger than chunk_size")
@@ -125,11 +133,14 @@ class HeadRecord(_Strict):
 
     format: Literal["echo2swarm-head/1"] = HEAD_FORMAT
     swarm: str = Field(max_length=64)
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=MAX_VERSION)
     manifest_sha256: Sha256
     manifest_size: int = Field(gt=0)
-    publisher: str = Field(max_length=128, description="peer id of the learner that serves the manifest")
+    publisher: str = Field(pattern=_PEER_ID, description="peer id of the learner that serves the manifest")
     published_ms: int = Field(ge=0)
+    expires_ms: int = Field(
+        ge=0, description="signed end of life; nodes refuse to keep the record longer, so a replay dies with it"
+    )
     public_key: str = Field(max_length=80)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
 
@@ -174,7 +185,9 @@ def verify_head(head: HeadRecord, *, trusted: PublicKey | None, swarm: str, held
         raise ManifestError("stale_version", f"head v{head.version} is not newer than held v{held_version}")
 
 
-def verify_manifest(data: bytes, head: HeadRecord, *, trusted: PublicKey, swarm: str) -> Manifest:
+def verify_manifest(
+    data: bytes, head: HeadRecord, *, trusted: PublicKey, swarm: str, max_chunk_bytes: int = MAX_CHUNK_SIZE
+) -> Manifest:
     """Check a fetched manifest envelope against the (already verified) head and the pinned key."""
     if sha256_hex(data) != head.manifest_sha256:
         raise ManifestError("hash_mismatch", f"manifest v{head.version} bytes do not match the head's sha256")
@@ -192,6 +205,10 @@ def verify_manifest(data: bytes, head: HeadRecord, *, trusted: PublicKey, swarm:
         raise ManifestError("wrong_swarm", f"manifest is for swarm {manifest.swarm!r}, we are in {swarm!r}")
     if manifest.version != head.version:
         raise ManifestError("version_mismatch", f"manifest says v{manifest.version}, head says v{head.version}")
+    if manifest.chunk_size > max_chunk_bytes:
+        raise ManifestError(
+            "too_large", f"manifest chunks of {manifest.chunk_size} bytes exceed our limit of {max_chunk_bytes} (fetch.max_chunk_bytes)"
+        )
     return manifest
 
 

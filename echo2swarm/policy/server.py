@@ -1,17 +1,20 @@
 """HTTP chunk server: hands out signed manifests and verified chunks to other peers.
 
-    GET /v1/info                 -> JSON: peer id, role, swarm, versions held
+    GET /v1/info                 -> JSON: peer id, role, swarm, versions held, counters
+    GET /v1/head                 -> the signed head this peer announces (learner), else 404
     GET /v1/manifest/{version}   -> the signed manifest envelope, byte for byte as the learner made it
-    GET /v1/chunk/{sha256}       -> the chunk's bytes (sendfile from the chunk store)
+    GET /v1/chunk/{sha256}       -> the chunk's bytes
 
 Only what the store holds is served, and the store only holds verified bytes. Requests carry no
-body (1 KiB cap), header sizes are aiohttp's bounded defaults, and at most `max_connections`
-responses are in flight; the rest get 503 so a flood cannot starve the daemon.
+body, header sizes are aiohttp's bounded defaults, and at most `max_connections` responses are
+in flight, transfers included (chunk bodies are streamed inside the handler, not handed to
+sendfile after it returns); the rest get 503 so a flood cannot starve the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -25,8 +28,9 @@ from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-MAX_VERSION = 10**9
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_VERSION = re.compile(r"[1-9][0-9]{0,11}")
+WRITE_BLOCK = 256 * 1024
 
 
 class ChunkServer:
@@ -43,11 +47,13 @@ class ChunkServer:
         chunks: ChunkStore,
         versions: VersionStore,
         info: Callable[[], dict[str, Any]] = dict,
+        head: Callable[[], bytes | None] = lambda: None,
     ):
         self.config = config
         self.chunks = chunks
         self.versions = versions
         self.info = info
+        self.head = head
         self.stats: Counter[str] = Counter()
         self._in_flight = 0
         self._runner: web.AppRunner | None = None
@@ -56,6 +62,7 @@ class ChunkServer:
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=1024, middlewares=[self._guard])
         app.router.add_get("/v1/info", self._info)
+        app.router.add_get("/v1/head", self._head)
         app.router.add_get("/v1/manifest/{version}", self._manifest)
         app.router.add_get("/v1/chunk/{sha256}", self._chunk)
         return app
@@ -82,10 +89,16 @@ class ChunkServer:
         body = {"software": __version__, "versions": self.versions.versions(), **self.info()}
         return web.json_response(body)
 
+    async def _head(self, request: web.Request) -> web.Response:
+        data = self.head()
+        if data is None:
+            raise web.HTTPNotFound(text="this peer announces no head")
+        return web.Response(body=data, content_type="application/json")
+
     async def _manifest(self, request: web.Request) -> web.Response:
         raw = request.match_info["version"]
-        if not raw.isdigit() or not 0 < int(raw) < MAX_VERSION:
-            raise web.HTTPBadRequest(text="version must be a positive integer")
+        if not _VERSION.fullmatch(raw):
+            raise web.HTTPBadRequest(text="version must be a positive integer without leading zeros")
         data = self.versions.manifest_bytes(int(raw))
         if data is None:
             raise web.HTTPNotFound(text=f"version {raw} not held")
@@ -96,12 +109,21 @@ class ChunkServer:
         sha = request.match_info["sha256"]
         if not _HEX64.fullmatch(sha):
             raise web.HTTPBadRequest(text="chunk id must be 64 lowercase hex chars")
-        path = self.chunks.path(sha)
-        if not path.is_file():
-            raise web.HTTPNotFound(text="chunk not held")
+        try:
+            f = open(self.chunks.path(sha), "rb")
+        except FileNotFoundError:
+            raise web.HTTPNotFound(text="chunk not held") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"})
+            response.content_length = size
+            await response.prepare(request)
+            while block := f.read(WRITE_BLOCK):
+                await response.write(block)
+            await response.write_eof()
         self.stats["chunks_served"] += 1
-        self.stats["bytes_served"] += path.stat().st_size
-        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"})
+        self.stats["bytes_served"] += size
+        return response
 
     async def start(self) -> int:
         self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True)

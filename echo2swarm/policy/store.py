@@ -24,7 +24,7 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_VERSION_DIR = re.compile(r"^v(\d{8})$")
+_VERSION_DIR = re.compile(r"v(\d{8,})")
 
 
 class ChunkHashError(ValueError):
@@ -66,6 +66,10 @@ class ChunkStore:
 
     def get(self, sha256: str) -> bytes:
         return self.path(sha256).read_bytes()
+
+    def clean_temporaries(self) -> None:
+        for tmp in self.root.glob("*/.tmp-*"):
+            tmp.unlink(missing_ok=True)
 
     def remove_except(self, keep: set[str]) -> int:
         removed = 0
@@ -142,3 +146,23 @@ class VersionStore:
         for entry in self.root.iterdir():
             if entry.name.startswith(".tmp-"):
                 shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int) -> list[int]:
+    """Keep the newest `keep` versions and the chunks they reference; returns the versions removed."""
+    from echo2swarm.policy.manifest import SignedManifest
+
+    held = versions.versions()
+    drop = held[:-keep] if keep > 0 else held
+    if not drop:
+        return []
+    for v in drop:
+        versions.remove(v)
+    referenced: set[str] = set()
+    for v in held[len(drop):]:
+        data = versions.manifest_bytes(v)
+        if data:
+            referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.chunk_refs())
+    removed = chunks.remove_except(referenced)
+    logger.info("garbage-collected versions %s and %d chunks", drop, removed)
+    return drop

@@ -160,6 +160,11 @@ class Daemon:
             "stats": stats,
         }
 
+    def _head_bytes(self) -> bytes | None:
+        current_head = getattr(self.service, "current_head", None)
+        head = current_head() if current_head is not None else None
+        return None if head is None else head.model_dump_json().encode()
+
     def _write_ready_file(self) -> None:
         assert self.ctx is not None
         path = Path(self.config.state_dir) / "daemon.json"
@@ -210,21 +215,23 @@ class Daemon:
             self.maddrs = await overlay.visible_maddrs()
             self.ctx = DaemonContext(config, overlay, ChunkStore(state_dir), VersionStore(state_dir), session)
             self.ctx.versions.clean_temporaries()
+            self.ctx.chunks.clean_temporaries()
             if config.role != "bootstrap" and config.chunk_server.enabled:
-                self.server = ChunkServer(config.chunk_server, self.ctx.chunks, self.ctx.versions, info=self.info)
+                self.server = ChunkServer(
+                    config.chunk_server, self.ctx.chunks, self.ctx.versions, info=self.info, head=self._head_bytes
+                )
                 port = await self.server.start()
                 host = config.chunk_server.host
                 if host in ("0.0.0.0", "::", ""):
                     host = _pick_host(self.maddrs)
                 self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
             self.service = _make_service(self.ctx)
-            await self.service.start()
+            # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
             announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
             self.ctx.announcer = announcer
-            tasks = [
-                asyncio.create_task(self._supervise(self.service)),
-                asyncio.create_task(announcer.run(self.stop_event)),
-            ]
+            tasks = [asyncio.create_task(announcer.run(self.stop_event))]
+            await self.service.start()
+            tasks.append(asyncio.create_task(self._supervise(self.service)))
             self._write_ready_file()
             print(
                 f"echo2swarm {config.role} {overlay.peer_id} is up in swarm '{config.overlay.swarm}'"
@@ -252,9 +259,10 @@ class Daemon:
             for task in pending:
                 task.cancel()
         if self.service is not None:
-            # Tell the swarm at once instead of leaving a card that looks alive for one more TTL.
+            # Mark the card `stopping` at once. Its expiry must be later than the last card's, or
+            # hivemind keeps the old one; it then lapses one TTL from now like any unrenewed record.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(overlay.store_card(self.card("stopping"), ttl=2.0), 0.5)
+                await asyncio.wait_for(overlay.store_card(self.card("stopping")), 0.5)
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.stop(), 1.0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from hivemind.dht.protocol import DHTProtocol
@@ -18,7 +19,7 @@ from echo2swarm.policy.signing import PolicyKey
 SWARM = "demo"
 PEER_ID = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"
 OTHER_PEER_ID = "12D3KooWBnext5Ax8GGTQEy3PH1kRgTyhJLvRUtwyXjuJ9TuDH3S"
-EXPIRES = 2e9
+EXPIRES = time.time() + 60  # records must expire within MAX_RECORD_TTL_S
 
 dumps = MSGPackSerializer.dumps
 
@@ -46,7 +47,7 @@ def card(**changes: object) -> dict[str, object]:
 def head(key: PolicyKey, swarm: str = SWARM, version: int = 3) -> HeadRecord:
     return HeadRecord(
         swarm=swarm, version=version, manifest_sha256="ab" * 32, manifest_size=1234,
-        publisher=PEER_ID, published_ms=1_700_000_000_000, public_key=key.public.text,
+        publisher=PEER_ID, published_ms=1_700_000_000_000, expires_ms=int(EXPIRES * 1000), public_key=key.public.text,
     ).signed(key)
 
 
@@ -199,3 +200,16 @@ def test_refused_counts_every_refusal(validator: SwarmRecordValidator, key: Poli
 def test_validator_protocol_properties(validator: SwarmRecordValidator) -> None:
     assert validator.priority == 10
     assert validator.merge_with(SwarmRecordValidator(SWARM)) is False
+
+
+def test_far_future_expiration_is_refused(validator: SwarmRecordValidator) -> None:
+    record = DHTRecord(key_id(peers_key(SWARM)), dumps(PEER_ID), dumps(card()), time.time() + 10 * 3600)
+    assert validator.validate(record) is False
+
+
+def test_head_kept_past_its_signed_expiry_is_refused(validator: SwarmRecordValidator, key: PolicyKey) -> None:
+    h = head(key)
+    replay = DHTRecord(key_id(head_key(SWARM)), dumps(h.public_key), dumps(h.model_dump(mode="json")), EXPIRES + 600)
+    assert validator.validate(replay) is False
+    fresh = DHTRecord(key_id(head_key(SWARM)), dumps(h.public_key), dumps(h.model_dump(mode="json")), EXPIRES)
+    assert validator.validate(fresh) is True

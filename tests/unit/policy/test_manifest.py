@@ -48,7 +48,7 @@ def make_manifest(version: int = 3, swarm: str = SWARM) -> Manifest:
 def make_head(data: bytes, key: PolicyKey, version: int = 3, swarm: str = SWARM) -> HeadRecord:
     return HeadRecord(
         swarm=swarm, version=version, manifest_sha256=sha256_hex(data), manifest_size=len(data),
-        publisher=PEER_ID, published_ms=1_700_000_000_500, public_key=key.public.text,
+        publisher=PEER_ID, published_ms=1_700_000_000_500, expires_ms=1_700_000_030_500, public_key=key.public.text,
     ).signed(key)
 
 

@@ -27,7 +27,7 @@ def intruder() -> PolicyKey:
 def head(key: PolicyKey, version: int, swarm: str = SWARM) -> HeadRecord:
     return HeadRecord(
         swarm=swarm, version=version, manifest_sha256="ab" * 32, manifest_size=100,
-        publisher=PEER_ID, published_ms=0, public_key=key.public.text,
+        publisher=PEER_ID, published_ms=0, expires_ms=30_000, public_key=key.public.text,
     ).signed(key)
 
 
