@@ -19,8 +19,9 @@ from pydantic import TypeAdapter, ValidationError
 from echo2swarm.config.models import ROLES, DaemonConfig
 
 ENV_PREFIX = "ECHO2SWARM_"
-# Variables with that prefix that are not config fields.
-_ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG"}
+# Variables with that prefix that are not config fields: --config's variable, and the echo2swarm
+# executable scripts/launch_learner.sh runs. Any other ECHO2SWARM_* must name a field (typos fail).
+_ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG", "ECHO2SWARM_BIN"}
 
 # Where a user sets each field on the command line, so errors can name the flag to change.
 FLAG_FOR_FIELD = {
