@@ -80,13 +80,13 @@ async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> No
             else:
                 Console().print(peers_table(view))
             return
+        if as_json:  # one JSON document per line, for piping
+            while True:
+                click.echo(json.dumps((await census(overlay))["peers"]), nl=True)
+                await asyncio.sleep(interval)
         with Live(console=Console(), auto_refresh=False) as live:
             while True:
-                view = await census(overlay)
-                if as_json:
-                    click.echo(json.dumps(view["peers"]))
-                else:
-                    live.update(peers_table(view), refresh=True)
+                live.update(peers_table(await census(overlay)), refresh=True)
                 await asyncio.sleep(interval)
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
