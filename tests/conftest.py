@@ -18,6 +18,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model after a short supervised warm-up on arith: RL has something to improve."""
+    from echo2swarm.models.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith", warmup_steps=400)
+
+
 @pytest.fixture
 def policy_key(tmp_path: Path) -> Path:
     from echo2swarm.policy.signing import PolicyKey

@@ -1,4 +1,4 @@
-"""`echo2swarm demo`: a whole swarm on one machine, as separate processes on 127.0.0.1."""
+"""`echo2swarm demo`: a whole swarm on one machine, as separate processes on 127.0.0.1, learning arith."""
 
 from __future__ import annotations
 
@@ -10,13 +10,24 @@ import click
 
 @click.command()
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where models, keys, state and logs go. Default: runs/demo-<time>.")
+              help="Where models, keys, state, logs, metrics and reward.png go. Default: runs/demo-<time>.")
 @click.option("--rollout-peers", type=click.IntRange(1, 16), default=2, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=120, show_default=True, help="GRPO steps.")
+@click.option("--staleness", type=click.IntRange(0), default=1, show_default=True,
+              help="S: rollouts of version x may train step t only if t - x <= S (0 = on-policy).")
+@click.option("--engine", type=click.Choice(["auto", "transformers"]), default="auto", show_default=True)
+@click.option("--warmup-steps", type=click.IntRange(0), default=500, show_default=True,
+              help="Supervised warm-up steps before RL (RL post-training starts from a supervised model).")
+@click.option("--reward-target", type=float, default=None, help="Stop once the 10-step mean reward reaches this.")
 @click.option("--swarm", default="demo", show_default=True)
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds allowed for the swarm to sync.")
-def demo(run_dir: Path | None, rollout_peers: int, swarm: str, timeout: float) -> None:
-    """Start bootstrap + learner + rollout peers locally, publish policy v1, watch it spread, stop cleanly."""
-    from echo2swarm.cli.demo_run import run_demo
+@click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds allowed for training.")
+def demo(run_dir, rollout_peers, steps, staleness, engine, warmup_steps, reward_target, swarm, timeout) -> None:
+    """Watch a swarm post-train a tiny model with GRPO: bootstrap + learner + rollout peers on this machine."""
+    from echo2swarm.cli.demo_run import DemoOptions, run_demo
 
-    run_dir = run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    raise SystemExit(run_demo(run_dir, rollout_peers=rollout_peers, swarm=swarm, timeout=timeout))
+    options = DemoOptions(
+        run_dir=run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"), rollout_peers=rollout_peers,
+        swarm=swarm, steps=steps, staleness=staleness, engine=engine, warmup_steps=warmup_steps,
+        reward_target=reward_target, timeout=timeout,
+    )
+    raise SystemExit(run_demo(options))

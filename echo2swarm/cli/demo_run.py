@@ -1,19 +1,39 @@
 """The demo's body (heavy imports allowed here; `cli.demo` imports it only when the demo runs).
 
-    tiny model + policy key ─► bootstrap ─► learner (publishes v1) ─► N rollout peers (--trust key.pub)
-                                 watch: a DHT client polls peer cards until every rollout peer holds v1
-                                 stop:  SIGTERM to each daemon by pid, timed
+    tiny model + supervised warm-up on `arith` ─► greedy accuracy before
+    bootstrap ─► learner (GRPO, publishes a signed version per step) ─► N rollout peers (--trust key.pub)
+    watch: the learner's metrics.jsonl (step, reward, version, bubble) until it finishes
+    after: greedy accuracy of the final model, summary, reward.png; every daemon stopped by pid
 """
 
 from __future__ import annotations
 
-import asyncio
+import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from echo2swarm.runtime.processes import DaemonProcess
+
+
+@dataclass
+class DemoOptions:
+    run_dir: Path
+    rollout_peers: int = 2
+    swarm: str = "demo"
+    steps: int = 120
+    staleness: int = 1
+    engine: str = "auto"
+    warmup_steps: int = 500
+    prompts_per_step: int = 16
+    group_size: int = 8
+    reward_target: float | None = None
+    timeout: float = 900.0
+    threads: int = 1
 
 
 def _local_args(swarm: str) -> list[str]:
@@ -24,33 +44,73 @@ def _local_args(swarm: str) -> list[str]:
     ]
 
 
-async def _wait_synced(console: Console, bootstrap: str, swarm: str, rollouts: int, version: int, timeout: float) -> dict:
-    from echo2swarm.config.models import OverlayConfig
-    from echo2swarm.overlay.census import census
-    from echo2swarm.overlay.node import Overlay
-
-    overlay = await Overlay.start(OverlayConfig(swarm=swarm, initial_peers=[bootstrap], host_maddrs=[]), client_mode=True)
-    try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, transient=False) as progress:
-            task = progress.add_task(f"rollout peers holding policy v{version}", total=rollouts)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while True:
-                view = await census(overlay)
-                synced = sum(1 for p in view["peers"] if p["role"] == "rollout" and p["version"] == version)
-                progress.update(task, completed=synced)
-                if synced >= rollouts and len(view["peers"]) >= rollouts + 2:
-                    return view
-                if loop.time() > deadline:
-                    raise TimeoutError(f"only {synced}/{rollouts} rollout peers reached v{version} in {timeout:.0f} s")
-                await asyncio.sleep(0.5)
-    finally:
-        await overlay.stop()
+def _learner_toml(opts: DemoOptions, model_dir: Path, key_path: Path) -> Path:
+    target = "" if opts.reward_target is None else f"reward_target = {opts.reward_target}\n"
+    path = opts.run_dir / "learner.toml"
+    path.write_text(
+        'role = "learner"\n'
+        f'[publish]\nmodel = "{model_dir}"\npolicy_key = "{key_path}"\n'
+        f'[train]\ntask = "arith"\nsteps = {opts.steps}\nstaleness = {opts.staleness}\n'
+        f"prompts_per_step = {opts.prompts_per_step}\ngroup_size = {opts.group_size}\n"
+        f"max_new_tokens = 4\nlr = 3e-4\nthreads = {opts.threads}\ncheckpoint_every = 50\n{target}"
+        '[leases]\nmax_prompts = 8\ntimeout_s = 20.0\n'
+    )
+    return path
 
 
-def run_demo(run_dir: Path, *, rollout_peers: int, swarm: str, timeout: float) -> int:
-    from echo2swarm.cli.peers import peers_table
+def _accuracy(model_dir: Path) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from echo2swarm.models.warmup import greedy_accuracy
+    from echo2swarm.tasks.registry import get_task
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return greedy_accuracy(model, tokenizer, get_task("arith", seed=0), max_new_tokens=4)
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written right now
+            break
+    return out
+
+
+def plot_reward(records: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["time_s"] for r in records]
+    reward = [r["reward_mean"] for r in records]
+    window = 10
+    smooth = [sum(reward[max(0, i - window + 1):i + 1]) / len(reward[max(0, i - window + 1):i + 1]) for i in range(len(reward))]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(t, reward, color="tab:blue", alpha=0.3, label="reward (per step)")
+    ax.plot(t, smooth, color="tab:blue", label=f"reward ({window}-step mean)")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(0, 1)
+    ax2 = ax.twinx()
+    ax2.plot(t, [r["bubble_ratio"] for r in records], color="tab:orange", alpha=0.6, label="bubble ratio")
+    ax2.set_ylabel("bubble ratio (learner waiting)")
+    ax2.set_ylim(0, 1)
+    fig.legend(loc="upper left", bbox_to_anchor=(0.08, 0.92))
+    ax.set_title("echo2swarm demo: GRPO on arith over a local swarm")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def run_demo(opts: DemoOptions) -> int:
     from echo2swarm.models.tiny import write_tiny_model
     from echo2swarm.policy.signing import PolicyKey
     from echo2swarm.runtime.logging import setup_logging
@@ -60,46 +120,48 @@ def run_demo(run_dir: Path, *, rollout_peers: int, swarm: str, timeout: float) -
 
     hf_logging.disable_progress_bar()
     console = Console()
+    run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]echo2swarm demo[/bold] in {run_dir} (logs: {run_dir}/*/daemon.log)")
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
-        write_tiny_model(model_dir, seed=0)
+        with console.status(f"tiny Qwen3-style model: supervised warm-up on arith ({opts.warmup_steps} steps)"):
+            write_tiny_model(model_dir, seed=0, task="arith", warmup_steps=opts.warmup_steps)
+    before = _accuracy(model_dir)
+    console.print(f"  model {model_dir}: greedy accuracy on held-out arith prompts [bold]{before:.3f}[/bold]")
     key_path = run_dir / "learner.key"
     if not key_path.exists():
         PolicyKey.generate().save(key_path)
-    console.print(f"  tiny Qwen3-style model at {model_dir}; policy key {key_path}")
 
-    common = _local_args(swarm)
+    common = _local_args(opts.swarm)
     daemons: list[DaemonProcess] = []
+    started = time.monotonic()
     try:
-        with console.status("starting bootstrap node"):
-            boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap")
-            daemons.append(boot.start())
-            boot.wait_ready(60)
-        console.print(f"  bootstrap up: {boot.maddr}", soft_wrap=True)
+        boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap")
+        daemons.append(boot.start())
+        boot.wait_ready(60)
         join = ["--initial-peers", boot.maddr]
-        with console.status("starting learner and publishing policy v1"):
-            learner = DaemonProcess(
-                "learner",
-                [*common, *join, "--role", "learner", "--model", str(model_dir), "--policy-key", str(key_path)],
-                run_dir / "learner",
-            )
-            daemons.append(learner.start())
-            learner.wait_ready(120)
-        console.print(f"  learner up, serving chunks at {learner.info['chunk_url']}")
-        for i in range(rollout_peers):
+        learner = DaemonProcess("learner", [*common, *join, "--config", str(_learner_toml(opts, model_dir, key_path))],
+                                run_dir / "learner")
+        daemons.append(learner.start())
+        for i in range(opts.rollout_peers):
             peer = DaemonProcess(
                 f"rollout-{i + 1}",
                 [*common, *join, "--role", "rollout", "--price", f"{0.2 + 0.1 * i:.2f}", "--trust", f"{key_path}.pub"],
-                run_dir / f"rollout-{i + 1}",
+                run_dir / f"rollout-{i + 1}", env={"ECHO2SWARM_ENGINE__TYPE": opts.engine, "OMP_NUM_THREADS": "1",
+                                                    "ECHO2SWARM_ENGINE__THREADS": str(opts.threads)},
             )
             daemons.append(peer.start())
-        for peer in daemons[2:]:
-            peer.wait_ready(120)
-        view = asyncio.run(_wait_synced(console, boot.maddr, swarm, rollout_peers, 1, timeout))
-        console.print(peers_table(view))
-        console.print("[green]every rollout peer verified and installed policy v1[/green]")
+        learner.wait_ready(120)
+        console.print(f"  swarm '{opts.swarm}': bootstrap, learner, {opts.rollout_peers} rollout peers; "
+                      f"staleness S={opts.staleness}, {opts.prompts_per_step}x{opts.group_size} rollouts per step")
+        records = _follow(console, learner, run_dir / "learner" / "run" / "metrics.jsonl", opts, started)
+        final = run_dir / "learner" / "run" / "final"
+        if not records or not (final / "config.json").exists():
+            raise RuntimeError("the learner did not finish training")
+        after = _accuracy(final)
+        png = plot_reward(records, run_dir / "reward.png")
+        _summary(console, records, before, after, png, time.monotonic() - started)
         return 0
     except (TimeoutError, RuntimeError) as e:
         console.print(f"[red]demo failed:[/red] {e}")
@@ -107,6 +169,47 @@ def run_demo(run_dir: Path, *, rollout_peers: int, swarm: str, timeout: float) -
             console.print(f"--- {d.name} log tail ---\n{d.log_tail(15)}")
         return 1
     finally:
-        with console.status("stopping the swarm"):
-            timings = [(d.name, d.terminate()) for d in reversed(daemons)]
+        timings = [(d.name, d.terminate()) for d in reversed(daemons)]
         console.print("stopped: " + ", ".join(f"{name} in {secs:.1f}s" for name, secs in timings))
+
+
+def _follow(console: Console, learner: DaemonProcess, metrics: Path, opts: DemoOptions, started: float) -> list[dict[str, Any]]:
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("step {task.completed:.0f}/{task.total:.0f}"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]
+    records: list[dict[str, Any]] = []
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("training", total=opts.steps, info="waiting for rollouts")
+        while learner.running():
+            if time.monotonic() - started > opts.timeout:
+                raise TimeoutError(f"training did not finish within {opts.timeout:.0f} s")
+            records = _read_metrics(metrics)
+            if records:
+                last = records[-10:]
+                reward = sum(r["reward_mean"] for r in last) / len(last)
+                progress.update(task, completed=records[-1]["step"], info=(
+                    f"reward {reward:.2f}  version {records[-1]['published_version']}  "
+                    f"bubble {records[-1]['bubble_ratio_total']:.2f}"))
+            time.sleep(0.5)
+        records = _read_metrics(metrics)
+        if records:
+            progress.update(task, completed=records[-1]["step"])
+    return records
+
+
+def _summary(console: Console, records: list[dict[str, Any]], before: float, after: float, png: Path, wall: float) -> None:
+    from rich.table import Table
+
+    first = records[: min(20, len(records))]
+    last = records[-min(20, len(records)):]
+    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
+    end = records[-1]
+    table = Table(title="demo summary", show_header=False, title_justify="left")
+    table.add_row("greedy accuracy (held-out arith)", f"{before:.3f} -> [bold]{after:.3f}[/bold] ({after - before:+.3f})")
+    table.add_row("mean reward, first 20 -> last 20 steps", f"{mean(first):.3f} -> {mean(last):.3f}")
+    table.add_row("steps / versions published", f"{end['step']} / {end['published_version']}")
+    table.add_row("learner bubble ratio", f"{end['bubble_ratio_total']:.3f}")
+    table.add_row("groups accepted / refused", f"{end['accepted']} / {sum(end['refused'].values())} {end['refused'] or ''}")
+    table.add_row("groups dropped (staleness)", str(end["dropped"].get("stale", 0)))
+    table.add_row("wall time", f"{wall:.0f} s")
+    table.add_row("reward curve", str(png))
+    console.print(table)

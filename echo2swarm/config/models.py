@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
+from echo2swarm.config.rl import EngineConfig, LeaseConfig, TrainConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
@@ -204,6 +205,8 @@ class LearnerConfig(_DaemonBase):
     role: Literal["learner"] = "learner"
     publish: PublishConfig = Field(default_factory=PublishConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    leases: LeaseConfig = Field(default_factory=LeaseConfig)
 
     @model_validator(mode="after")
     def _needs_model(self) -> "LearnerConfig":
@@ -213,11 +216,18 @@ class LearnerConfig(_DaemonBase):
             raise ValueError(
                 "the learner needs a policy key: create one with `echo2swarm keygen KEY` and pass --policy-key KEY"
             )
+        if self.train.staleness < self.train.publish_every - 1:
+            raise ValueError(
+                f"train.staleness={self.train.staleness} is below publish_every-1={self.train.publish_every - 1}: "
+                "rollouts would always be too stale to train on; raise staleness or lower publish_every"
+            )
         return self
 
 
 class RolloutConfig(_FollowerBase):
     role: Literal["rollout"] = "rollout"
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
 
 
 class RelayConfig(_FollowerBase):

@@ -1,22 +1,38 @@
-"""The learner's service inside the daemon.
+"""The learner's service inside the daemon: train with GRPO, publish signed versions, checkpoint.
 
-    --model DIR ─► Publisher (chunks + signed manifest in the learner's stores) ─► head in the DHT
-                                                      └─► chunk server hands them to followers
+    rollout peers ─rpc_lease/rpc_submit─► Intake ─► RolloutBuffer ─► GRPOTrainer.step (thread)
+         ▲                                                               │
+         └── chunk server ◄── Publisher (signed version v+1, every κ) ◄──┘ ─► metrics.jsonl, checkpoints
 
-A restarted learner publishes with a strictly higher version than any it published before, so
-followers that hold an older version move on and never go back. (GRPO training plugs in here.)
+Versions: version v is the policy before step v. Step t trains on groups of versions x with
+t − x ≤ S, then the policy becomes version t + 1. A restarted learner resumes from its latest
+checkpoint and continues with a version strictly above everything it published before, so
+followers never go back and reattach without a restart.
+Back-pressure: the trainer waits for the buffer (waiting time is the bubble); the intake caps
+work in flight at (S + 1) · R groups.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
+from pathlib import Path
 from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
-from echo2swarm.learner.publisher import PublishedVersion, Publisher
+from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
+from echo2swarm.learner.intake import Intake
+from echo2swarm.learner.leases import GroupLimits
+from echo2swarm.learner.metrics import MetricsLog
+from echo2swarm.learner.protocol import GroupSubmission, LeaseRequest
+from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
+from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
 from echo2swarm.policy.manifest import HeadRecord
 from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.policy.store import collect_garbage
 from echo2swarm.runtime.daemon import DaemonContext
+from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -26,29 +42,157 @@ class LearnerService:
     def __init__(self, ctx: DaemonContext):
         self.ctx = ctx
         self.config: LearnerConfig = ctx.config
+        self.train = self.config.train
         self.key = PolicyKey.load(self.config.publish.policy_key)  # type: ignore[arg-type]
         self.publisher = Publisher(
             self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id
         )
+        self.run_dir = Path(self.train.run_dir or Path(self.config.state_dir) / "run")
         self.published: PublishedVersion | None = None
         self.state = "starting"
+        self.version = 1
+        self.steps_done = 0
+        self.intake: Intake | None = None
+        self.trainer: Any = None
+        self.metrics: MetricsLog | None = None
+        self.recent_rewards: deque[float] = deque(maxlen=10)
+        self.wait_s = self.busy_s = 0.0
 
+    # -- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        version = (self.ctx.versions.latest() or 0) + 1
-        self.published = await asyncio.to_thread(self.publisher.publish_dir, self.config.publish.model, version)  # type: ignore[arg-type]
+        from echo2swarm.learner.trainer import GRPOTrainer  # torch + transformers: only in the learner
+        from echo2swarm.tasks.registry import get_task
+
+        model_dir = Path(self.config.publish.model)  # type: ignore[arg-type]
+        self.trainer = await asyncio.to_thread(GRPOTrainer, model_dir, self.train)
+        task = get_task(self.train.task, seed=self.train.seed, **self.train.task_options)
+        cursor, requeue = 0, []
+        checkpoint = await asyncio.to_thread(load_latest, self.run_dir)
+        if checkpoint is not None:
+            self.trainer.load_weights(checkpoint.tensors)
+            self.trainer.optimizer.load_state_dict(checkpoint.state["optimizer"])
+            restore_rng(checkpoint.state)
+            self.steps_done = checkpoint.step
+            cursor = checkpoint.state["extra"]["cursor"]
+            requeue = checkpoint.state["extra"]["requeue"]
+            logger.info("resuming from %s: %d steps done", checkpoint.path, checkpoint.step)
+        # Strictly above anything published before, even versions published after the checkpoint.
+        self.version = max(checkpoint.version if checkpoint else 1, (self.ctx.versions.latest() or 0) + 1)
+        self.extra_files = {p.name: p for p in model_files(model_dir) if not p.name.startswith("model.safetensors")
+                            and p.suffix != ".safetensors"}
+        await self._publish()
+        self.metrics = MetricsLog(self.run_dir)
+        self.intake = Intake(
+            task, self.train, self.config.leases,
+            encode=self.trainer.encode_prompt, decode=self.trainer.decode,
+            limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, self.trainer.vocab_size,
+                               self.trainer.eos_token_id),
+            version=self.version, cursor=cursor, requeue=requeue,
+        )
+        self.intake.head_json = self._head_json()
+        p2p, swarm = self.ctx.overlay.p2p, self.config.overlay.swarm
+        await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
+        await serve_client_stream(p2p, rpc_name(swarm, "submit"), self.intake.rpc_submit, GroupSubmission)
         self.state = "ready"
-        if self.ctx.announcer is not None:
-            self.ctx.announcer.trigger()
         logger.info("policy key %s; followers pin it with --trust %s", self.key.public.fingerprint, self.key.public.text)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        await stop.wait()
+    async def _publish(self) -> float:
+        started = time.perf_counter()
+        weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        files: dict[str, Path | bytes] = {**self.extra_files, "model.safetensors": weights}
+        self.published = await asyncio.to_thread(self.publisher.publish_files, files, self.version)
+        await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks,
+                                max(self.config.store.keep_versions, 2))
+        if self.intake is not None:
+            self.intake.published_version = self.version
+            self.intake.head_json = self._head_json()
+        if self.ctx.announcer is not None:
+            self.ctx.announcer.trigger()
+        return time.perf_counter() - started
 
     def current_head(self) -> HeadRecord | None:
         if self.published is None:
             return None
         return self.publisher.sign_head(self.published, self.config.overlay.record_ttl_s)
 
+    def _head_json(self) -> str | None:
+        head = self.current_head()
+        return head.model_dump_json() if head else None
+
+    # -- training loop -------------------------------------------------------------------------
+    async def _wait_for_batch(self, stop: asyncio.Event) -> bool:
+        assert self.intake is not None
+        needed = self.train.prompts_per_step
+        while not self.intake.buffer.ready(self.version, needed):
+            if stop.is_set():
+                return False
+            self.intake.wake.clear()
+            self.intake.leases.expire(self.intake.clock())
+            await wait_any(self.intake.wake, stop, timeout=0.5)
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.intake is not None and self.metrics is not None
+        intake, train = self.intake, self.train
+        started = time.monotonic()
+        while self.steps_done < train.steps and not stop.is_set():
+            step_started = time.monotonic()
+            if not await self._wait_for_batch(stop):
+                break
+            waited = time.monotonic() - step_started
+            groups = intake.buffer.take(self.version, train.prompts_per_step)
+            # From here on the intake serves the next step: its slot is the one new work can still fill,
+            # and a group too old for it is refused now rather than buffered only to go stale.
+            intake.version = self.version + 1
+            stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
+            self.steps_done += 1
+            trained_version = self.version
+            self.version += 1
+            t_publish = 0.0
+            if self.steps_done % train.publish_every == 0:
+                t_publish = await self._publish()
+            busy = time.monotonic() - step_started - waited
+            self.wait_s += waited
+            self.busy_s += busy
+            self.recent_rewards.append(stats["reward_mean"])
+            self.metrics.write({
+                "step": self.steps_done, "version": trained_version, "published_version": intake.published_version,
+                "time_s": round(time.monotonic() - started, 3), **{k: _round(v) for k, v in stats.items()},
+                "t_publish_s": round(t_publish, 4), "wait_s": round(waited, 4),
+                "bubble_ratio": round(waited / max(1e-9, waited + busy), 4),
+                "bubble_ratio_total": round(self.wait_s / max(1e-9, self.wait_s + self.busy_s), 4),
+                "staleness": [trained_version - g.version for g in groups],
+                "accepted": intake.accepted, "refused": dict(intake.refused), "dropped": dict(intake.buffer.dropped),
+                "leases": dict(intake.leases.stats), "delivered": dict(intake.delivered),
+                "tokens_per_s": round(stats["tokens"] / max(1e-9, time.monotonic() - step_started), 1),
+            })
+            if self.steps_done % train.checkpoint_every == 0:
+                await self._checkpoint()
+            if train.reward_target is not None and len(self.recent_rewards) == self.recent_rewards.maxlen \
+                    and sum(self.recent_rewards) / len(self.recent_rewards) >= train.reward_target:
+                logger.info("reward target %.3f reached at step %d", train.reward_target, self.steps_done)
+                break
+        if not stop.is_set():
+            await self._finish()
+            stop.set()  # training is over: the daemon shuts down cleanly
+
+    async def _checkpoint(self) -> None:
+        assert self.intake is not None
+        weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        path = await asyncio.to_thread(
+            save_checkpoint, self.run_dir, step=self.steps_done, version=self.version, weights=weights,
+            optimizer=self.trainer.optimizer, extra=self.intake.leases.snapshot(), keep=self.train.keep_checkpoints,
+        )
+        logger.info("checkpoint step %d (version %d) at %s", self.steps_done, self.version, path)
+
+    async def _finish(self) -> None:
+        assert self.intake is not None
+        self.intake.done = True
+        await self._checkpoint()
+        final = await asyncio.to_thread(self.trainer.save_model_dir, self.run_dir / "final")
+        logger.info("training finished after %d steps; final model at %s", self.steps_done, final)
+
+    # -- daemon hooks --------------------------------------------------------------------------
     async def announce(self) -> None:
         head = self.current_head()
         if head is not None and not await self.ctx.overlay.store_head(head):
@@ -58,4 +202,13 @@ class LearnerService:
         return {"version": self.published.version if self.published else None, "state": self.state}
 
     def stats(self) -> dict[str, Any]:
-        return {"published_version": self.published.version if self.published else None}
+        out: dict[str, Any] = {"published_version": self.published.version if self.published else None,
+                               "steps_done": self.steps_done}
+        if self.intake is not None:
+            out.update(accepted=self.intake.accepted, refused=dict(self.intake.refused),
+                       dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats))
+        return out
+
+
+def _round(value: Any) -> Any:
+    return round(value, 6) if isinstance(value, float) else value

@@ -7,6 +7,7 @@ or Python files, which would run code on every rollout peer that loads them.
 from __future__ import annotations
 
 import hashlib
+import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,29 +78,33 @@ class Publisher:
         self.chunk_size = chunk_size
         self.peer_id = peer_id
 
-    def _add_file(self, path: Path) -> FileEntry:
+    def _add_file(self, name: str, source: Path | bytes) -> FileEntry:
         digest, refs, size = hashlib.sha256(), [], 0
-        with open(path, "rb") as f:
+        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as f:
             while piece := f.read(self.chunk_size):
                 sha = sha256_hex(piece)
                 self.chunks.put(sha, piece)
                 refs.append(ChunkRef(sha256=sha, size=len(piece)))
                 digest.update(piece)
                 size += len(piece)
-        return FileEntry(name=path.name, size=size, sha256=digest.hexdigest(), chunks=refs)
+        return FileEntry(name=name, size=size, sha256=digest.hexdigest(), chunks=refs)
 
     @staticmethod
-    def _tensors(path: Path) -> list[TensorInfo]:
-        with open(path, "rb") as f:
+    def _tensors(name: str, source: Path | bytes) -> list[TensorInfo]:
+        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as f:
             prefix = f.read(8)
             header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-            return safetensors_tensors(path.name, prefix + f.read(min(header_len, SAFETENSORS_MAX_HEADER)))
+            return safetensors_tensors(name, prefix + f.read(min(header_len, SAFETENSORS_MAX_HEADER)))
 
     def publish_dir(self, model_dir: Path, version: int) -> PublishedVersion:
+        return self.publish_files({p.name: p for p in model_files(model_dir)}, version)
+
+    def publish_files(self, files: dict[str, Path | bytes], version: int) -> PublishedVersion:
+        """Publish named files (paths, or bytes such as freshly trained safetensors weights) as `version`."""
         started = time.monotonic()
-        files = model_files(model_dir)
-        entries = [self._add_file(p) for p in files]
-        tensors = [t for p in files if p.suffix == ".safetensors" for t in self._tensors(p)]
+        names = sorted(files)
+        entries = [self._add_file(name, files[name]) for name in names]
+        tensors = [t for name in names if name.endswith(".safetensors") for t in self._tensors(name, files[name])]
         manifest = Manifest(
             swarm=self.swarm,
             version=version,
@@ -110,7 +115,7 @@ class Publisher:
         )
         envelope = SignedManifest.sign(manifest, self.key).to_bytes()
         self.versions.install(manifest, envelope, self.chunks)
-        logger.info(
+        logger.debug(
             "published policy v%d: %d files, %d bytes in %d chunks, signed by %s (%.2f s)",
             version, len(entries), manifest.total_bytes, sum(len(e.chunks) for e in entries),
             self.key.public.fingerprint, time.monotonic() - started,

@@ -132,13 +132,17 @@ def build_tiny_model(
     return model, tokenizer
 
 
-def write_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0) -> pathlib.Path:
+def write_tiny_model(
+    out_dir: str | os.PathLike[str], seed: int = 0, *, task: str | None = None, warmup_steps: int = 0
+) -> pathlib.Path:
     """Write a tiny model as a standard Hugging Face directory and return its path.
 
     Writes ``config.json``, ``generation_config.json``, a single
     ``model.safetensors`` and the tokenizer files. Output is deterministic for
     a given ``seed``. Refuses to write into an existing non-empty directory so
-    it can never clobber a real checkpoint.
+    it can never clobber a real checkpoint. With ``task`` and ``warmup_steps``,
+    the model first gets a short seeded supervised warm-up on that task: RL
+    post-training starts from a model that sometimes answers right.
     """
     path = pathlib.Path(out_dir)
     if path.exists():
@@ -149,6 +153,14 @@ def write_tiny_model(out_dir: str | os.PathLike[str], seed: int = 0) -> pathlib.
     path.mkdir(parents=True, exist_ok=True)
 
     model, tokenizer = build_tiny_model(seed=seed)
+    if task is not None and warmup_steps > 0:
+        from echo2swarm.models.warmup import supervised_warmup
+        from echo2swarm.tasks.registry import get_task
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            supervised_warmup(model, tokenizer, get_task(task, seed=seed), steps=warmup_steps, seed=seed)
+        model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     logger.info("wrote tiny model (seed=%d, %d params) to %s", seed, model.num_parameters(), path)

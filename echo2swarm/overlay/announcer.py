@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -32,6 +33,7 @@ class Announcer:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             started = time.monotonic()
+            self._wake.clear()  # before announcing: a trigger during the announcement is not lost
             try:
                 await asyncio.wait_for(self.announce(), self.period)
                 self.announcements += 1
@@ -42,8 +44,4 @@ class Announcer:
             took = time.monotonic() - started
             if took > 0.5 * self.period:
                 logger.warning("announcing %s is running late (%.1f s of a %.1f s period)", self.name, took, self.period)
-            self._wake.clear()
-            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
-            _, pending = await asyncio.wait(waiters, timeout=max(0.0, self.period - took), return_when=asyncio.FIRST_COMPLETED)
-            for w in pending:
-                w.cancel()
+            await wait_any(stop, self._wake, timeout=self.period - took)

@@ -46,8 +46,8 @@ class PeerCard(BaseModel):
     @field_validator("chunk_url")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"https?://[^/\s]+", v):
-            raise ValueError("chunk_url must be http(s)://host:port")
+        if v is not None and not re.fullmatch(r"http://[^/\s]+", v):
+            raise ValueError("chunk_url must be http://host:port")
         return v
 
 

@@ -1,7 +1,11 @@
 """Follow the learner: watch its signed head in the DHT, fetch newer versions, install them.
 
-    DHT heads ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, chunks) ─► VersionStore
+    DHT heads, or a head offered by the learner's lease reply
+      ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, chunks) ─► VersionStore
                                                                          └─► on_version(v, dir)
+
+An offered head goes through exactly the same checks as one read from the DHT; it only saves
+the poll interval, which matters when the learner publishes every fraction of a second.
 
 It runs as one task beside the daemon's other work, so whatever the peer does with the version
 it holds (generation, serving chunks) goes on while the next version downloads. Every refused head is
@@ -12,6 +16,7 @@ re-announcing the same bad head every period can neither flood the log nor infla
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -22,9 +27,10 @@ import aiohttp
 from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PolicyFetcher
-from echo2swarm.policy.manifest import HeadRecord, ManifestError, verify_head
+from echo2swarm.policy.manifest import HeadRecord, ManifestError, parse_head, verify_head
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.policy.trust import TrustAnchor
+from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -54,10 +60,37 @@ class PolicyFollower:
         self.on_version = on_version
         self.fetcher = PolicyFetcher(fetch, chunks)
         self.held_version: int | None = versions.latest()
+        self.ready_version: int | None = None  # installed and handed to on_version
         self.fetching_version: int | None = None
         self.refused: Counter[str] = Counter()
         self.arrival_s: dict[int, float] = {}
         self._logged: set[tuple[str, int, str]] = set()
+        self._offered: HeadRecord | None = None
+        self._wake = asyncio.Event()
+        self._installed = asyncio.Condition()
+
+    def offer(self, head_json: str) -> None:
+        """A head seen outside the DHT (a lease reply): fetch it now if it is newer. Verified like any other."""
+        try:
+            head = parse_head(json.loads(head_json))
+        except (ValueError, ManifestError):
+            self.refused["malformed"] += 1
+            return
+        if self.held_version is None or head.version > self.held_version:
+            if self._offered is None or head.version > self._offered.version:
+                self._offered = head
+            self._wake.set()
+
+    async def wait_for(self, version: int, timeout: float) -> bool:
+        """Wait until a version >= `version` is installed; False on timeout."""
+        async with self._installed:
+            try:
+                await asyncio.wait_for(
+                    self._installed.wait_for(lambda: (self.ready_version or 0) >= version), timeout
+                )
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     @property
     def state(self) -> str:
@@ -85,14 +118,17 @@ class PolicyFollower:
             delay = self.fetch_config.head_poll_s
             if failures:
                 delay = max(delay, min(60.0, self.fetch_config.retry_backoff_s * 2 ** (failures - 1)))
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
+            elif self._offered is not None:
+                continue
+            self._wake.clear()
+            await wait_any(stop, self._wake, timeout=delay)
 
     async def step(self) -> int | None:
         """Look once; fetch and install a newer version if one is announced. Returns the version installed."""
-        heads, _ = await self.overlay.get_heads()
+        if self._offered is not None:
+            heads, self._offered = [self._offered], None
+        else:
+            heads, _ = await self.overlay.get_heads()
         head = self.trust.select(heads, self.swarm)
         if self.trust.key is not None:
             for other in heads:
@@ -125,13 +161,18 @@ class PolicyFollower:
             self.fetching_version = None
         self.held_version = manifest.version
         self.arrival_s[manifest.version] = time.monotonic() - started
-        logger.info(
+        logger.debug(
             "installed policy v%d (%d files, %d bytes, %d chunks fetched) in %.2f s at %s",
             manifest.version, len(manifest.files), manifest.total_bytes, fetched, self.arrival_s[manifest.version], path,
         )
         await asyncio.to_thread(collect_garbage, self.versions, self.chunks, self.store_config.keep_versions)
-        if self.on_version is not None:
-            await self.on_version(manifest.version, path)
+        try:
+            if self.on_version is not None:
+                await self.on_version(manifest.version, path)
+        finally:  # waiters see the version only once whoever uses it (the engine) has it
+            self.ready_version = manifest.version
+            async with self._installed:
+                self._installed.notify_all()
         return manifest.version
 
     async def sources(self, head: HeadRecord) -> list[ChunkSource]:

@@ -29,7 +29,7 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_VERSION = re.compile(r"[1-9][0-9]{0,11}")
+_VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
 
 
@@ -61,10 +61,11 @@ class ChunkServer:
 
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=1024, middlewares=[self._guard])
-        app.router.add_get("/v1/info", self._info)
-        app.router.add_get("/v1/head", self._head)
-        app.router.add_get("/v1/manifest/{version}", self._manifest)
-        app.router.add_get("/v1/chunk/{sha256}", self._chunk)
+        # allow_head=False: a HEAD answered by these handlers would still stream a body.
+        app.router.add_get("/v1/info", self._info, allow_head=False)
+        app.router.add_get("/v1/head", self._head, allow_head=False)
+        app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
+        app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False)
         return app
 
     @web.middleware

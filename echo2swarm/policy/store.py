@@ -164,5 +164,5 @@ def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int) -> li
         if data:
             referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.chunk_refs())
     removed = chunks.remove_except(referenced)
-    logger.info("garbage-collected versions %s and %d chunks", drop, removed)
+    logger.debug("garbage-collected versions %s and %d chunks", drop, removed)
     return drop

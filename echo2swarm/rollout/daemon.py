@@ -1,10 +1,11 @@
-"""Rollout and relay peers' service: follow the learner's signed versions.
+"""Rollout and relay peers' service: follow the learner's signed versions; rollout peers also generate.
 
     DHT head ─► PolicyFollower (verify, fetch, install) ─► held version in the peer card
-                                 └─► chunk server serves what is verified
+                     │           └─► chunk server serves what is verified
+                     └─ on_version ─► RolloutWorker (rollout role): engine swap, leases, generation
 
-The follower runs as its own task, so the daemon keeps serving (and, once engines exist, keeps
-generating with the version it holds) while a new version downloads.
+The follower and the worker are separate tasks, so a rollout peer keeps generating with the
+version it holds while the next one downloads (double-buffering).
 """
 
 from __future__ import annotations
@@ -36,17 +37,34 @@ class FollowerService:
             ctx.overlay, config.fetch, config.store, self.trust, ctx.chunks, ctx.versions, ctx.session,
             on_version=self._on_version,
         )
+        self.worker = None
+        if config.role == "rollout":
+            from echo2swarm.rollout.worker import RolloutWorker
+
+            self.worker = RolloutWorker(ctx, self.follower)
 
     async def _on_version(self, version: int, path: Path) -> None:
+        if self.worker is not None:
+            await self.worker.on_version(version, path)
         if self.ctx.announcer is not None:
             self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
 
     async def start(self) -> None:
-        if self.follower.held_version is not None:
-            logger.info("holding policy v%d from a previous run", self.follower.held_version)
+        held = self.follower.held_version
+        if held is not None:
+            logger.info("holding policy v%d from a previous run", held)
+            await self._on_version(held, self.ctx.versions.dir(held))
+            self.follower.ready_version = held
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.follower.run(stop)
+        tasks = [asyncio.create_task(self.follower.run(stop))]
+        if self.worker is not None:
+            tasks.append(asyncio.create_task(self.worker.run(stop)))
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def announce(self) -> None:
         return None
@@ -55,7 +73,12 @@ class FollowerService:
         return {"version": self.follower.held_version, "state": self.follower.state}
 
     def stats(self) -> dict[str, Any]:
+        worker = {}
+        if self.worker is not None:
+            worker = {"worker": dict(self.worker.stats), "rollouts_per_s": self.worker.rollouts_per_s,
+                      "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s}
         return {
+            **worker,
             "refused_heads": dict(self.follower.refused),
             "fetch": dict(self.follower.fetcher.stats),
             "arrival_s": {str(k): round(v, 3) for k, v in self.follower.arrival_s.items()},

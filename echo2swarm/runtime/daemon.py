@@ -277,8 +277,12 @@ def preflight(config: Any) -> None:
         from echo2swarm.learner.publisher import model_files
         from echo2swarm.policy.signing import PolicyKey
 
+        from echo2swarm.tasks.registry import available_tasks
+
         PolicyKey.load(config.publish.policy_key)
         model_files(config.publish.model)
+        if config.train.task not in available_tasks():
+            raise ValueError(f"train.task {config.train.task!r} is unknown; available: {', '.join(available_tasks())}")
     elif config.role in ("rollout", "relay") and config.trust:
         from echo2swarm.policy.signing import load_trusted_key
 

@@ -42,9 +42,10 @@ class LocalSwarm:
         self._children: set[int] = set()
         self.bootstrap_addr: str | None = None
 
-    def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True) -> DaemonProcess:
+    def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,
+              env: dict[str, str] | None = None) -> DaemonProcess:
         extra = ["--initial-peers", self.bootstrap_addr] if join and self.bootstrap_addr else []
-        d = DaemonProcess(name, [*local_args(self.swarm), *extra, *args], state_dir or self.root / name)
+        d = DaemonProcess(name, [*local_args(self.swarm), *extra, *args], state_dir or self.root / name, env=env)
         self.daemons.append(d.start())
         return d
 
@@ -124,3 +125,26 @@ def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
 
 
 __all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "peers_json", "run_cli", "wait_until", "time"]
+
+
+def learner_toml(path: Path, model: Path, key: Path, **train: Any) -> Path:
+    """A learner config for tests: small steps, fast leases; `train` overrides [train] keys."""
+    settings = {"task": "arith", "steps": 30, "staleness": 1, "prompts_per_step": 8, "group_size": 4,
+                "max_new_tokens": 4, "checkpoint_every": 10, "threads": 1, **train}
+    lines = ['role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "[train]"]
+    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    lines += ["[leases]", "max_prompts = 4", "timeout_s = 5.0"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records

@@ -1,0 +1,68 @@
+"""Config sections of the RL loop: what the learner trains and how rollout peers take work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+
+
+class TrainConfig(_Section):
+    """GRPO on the learner. A step trains on `prompts_per_step` groups of `group_size` completions."""
+
+    task: str = Field("arith", description="Task adapter name (built-in: arith, math; others via entry points).")
+    task_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the task adapter.")
+    steps: int = Field(200, ge=1, description="Optimizer steps to run; the learner then writes the final model and exits.")
+    reward_target: float | None = Field(
+        None, description="Stop early once the mean reward of the last 10 steps reaches this. None: run all steps."
+    )
+    staleness: int = Field(1, ge=0, description="S: rollouts of version x may train step t only if t - x <= S. 0 = on-policy.")
+    publish_every: int = Field(1, ge=1, description="kappa: publish a new policy version every this many steps.")
+    prompts_per_step: int = Field(16, ge=1, le=4096, description="Groups (prompts) per step.")
+    group_size: int = Field(8, ge=2, le=256, description="G: completions per prompt.")
+    max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length limit, in tokens.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature on rollout peers.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling on rollout peers.")
+    lr: float = Field(3e-4, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1.")
+    clip_high: float = Field(0.2, gt=0, description="PPO clip above 1.")
+    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight for stale rollouts.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model kept).")
+    scale_std: bool = Field(True, description="Divide group advantages by the group's reward std.")
+    seed: int = Field(0, ge=0, description="Seeds prompts, sampling seeds handed to peers, and torch.")
+    threads: int | None = Field(None, ge=1, description="torch threads for training. None: torch's default.")
+    checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
+    keep_checkpoints: int = Field(2, ge=1)
+    run_dir: Path | None = Field(None, description="metrics.jsonl, checkpoints, final model. None: <state_dir>/run.")
+
+
+class LeaseConfig(_Section):
+    """How the learner hands out work."""
+
+    max_prompts: int = Field(8, ge=1, le=256, description="Prompts in one lease at most.")
+    timeout_s: float = Field(60.0, gt=0, description="Seconds before an unfinished lease is re-issued to someone else.")
+    wait_retry_s: float = Field(0.05, gt=0, le=60, description="Back-off a peer is told when no work is available.")
+
+
+class EngineConfig(_Section):
+    type: Literal["auto", "transformers"] = Field("auto", description="Generation engine; auto picks the best available.")
+    threads: int | None = Field(None, ge=1, description="torch threads for generation. None: torch's default.")
+    max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
+
+
+class WorkerConfig(_Section):
+    """How a rollout peer takes leases."""
+
+    max_prompts: int = Field(8, ge=1, le=256, description="Prompts asked for per lease.")
+    rpc_timeout_s: float = Field(30.0, gt=0, description="Seconds for one lease or submit call.")
+    idle_retry_s: float = Field(1.0, gt=0, description="Seconds between attempts while no learner is reachable.")
+    max_rollouts_per_s: float | None = Field(
+        None, gt=0, description="Pace generation to at most this many rollouts/s (emulates slower GPUs in benchmarks)."
+    )

@@ -1,0 +1,162 @@
+"""The version-tagged rollout buffer that feeds the GRPO trainer.
+
+    rpc_submit ─► learner checks lease/version, computes rewards ─► RolloutBuffer.add(group)
+    trainer loop: poll ready(step, n) ─► take(step, n) ─► one GRPO step ─► step + 1
+
+Staleness rule (ARCHITECTURE §2): a group generated with version ``x`` may train step ``t``
+only if ``0 <= t - x <= S``. ``take`` discards every group that has fallen out of that window
+(counted in ``dropped["stale"]``) and never returns one from the future (``x > t``: kept for a
+later step). The only other way a group leaves without being trained on is the size bound
+(``dropped["overflow"]``). So, at all times, ``added == taken + sum(dropped.values()) + len(buffer)``.
+
+Back-pressure: none here; the bound only protects memory. The learner applies back-pressure by
+not handing out leases faster than it trains. Not thread-safe: use it from one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections import Counter
+from dataclasses import dataclass
+
+__all__ = ["Group", "RolloutBuffer"]
+
+
+@dataclass
+class Group:
+    """One prompt's G completions, as accepted by the learner (rewards already computed)."""
+
+    prompt_id: str
+    version: int  # policy version that generated it
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    rewards: list[float]
+    finish_reasons: list[str]
+    peer_id: str = ""
+    received_at: float = 0.0  # time.monotonic() when the learner accepted it
+
+    def __len__(self) -> int:
+        return len(self.completions)
+
+    def check(self) -> None:
+        """Raise ValueError unless the per-completion lists line up (one entry per completion,
+        one behaviour logprob per completion token)."""
+        g = len(self.completions)
+        if g == 0:
+            raise ValueError(f"group {self.prompt_id!r} has no completions")
+        if self.version < 0:
+            raise ValueError(f"group {self.prompt_id!r} has negative version {self.version}")
+        for name in ("behaviour_logprobs", "rewards", "finish_reasons"):
+            if len(getattr(self, name)) != g:
+                raise ValueError(f"group {self.prompt_id!r}: {len(getattr(self, name))} {name} for {g} completions")
+        for i, (tokens, logprobs) in enumerate(zip(self.completions, self.behaviour_logprobs, strict=True)):
+            if len(tokens) != len(logprobs):
+                raise ValueError(
+                    f"group {self.prompt_id!r} completion {i}: {len(tokens)} tokens but {len(logprobs)} logprobs"
+                )
+
+
+class RolloutBuffer:
+    """Groups waiting for a GRPO step, bucketed by version.
+
+    Order is ``(version, arrival)``: ``take`` serves the oldest version first (it goes stale
+    first) and the overflow bound evicts in that same order.
+
+    Example::
+
+        buffer = RolloutBuffer(staleness=1)
+        buffer.add(group_v3)                 # version 3
+        buffer.ready(step=4, groups_needed=1)  # True: 4 - 3 <= 1
+        batch = buffer.take(step=4, groups_needed=1)
+        buffer.staleness_histogram            # Counter({1: 1})
+    """
+
+    def __init__(self, staleness: int, max_groups: int = 100_000) -> None:
+        if staleness < 0:
+            raise ValueError(f"staleness S must be >= 0, got {staleness}")
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        self.staleness = staleness
+        self.max_groups = max_groups
+        self._by_version: dict[int, collections.deque[Group]] = {}
+        self._size = 0
+        self.added = 0
+        self.taken = 0
+        self.dropped: Counter[str] = Counter()
+        self.staleness_histogram: Counter[int] = Counter()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _window(self, step: int) -> tuple[int, int]:
+        return step - self.staleness, step
+
+    def add(self, group: Group) -> None:
+        """Store an accepted group; beyond ``max_groups`` evict the oldest (counted as overflow)."""
+        group.check()
+        self._by_version.setdefault(group.version, collections.deque()).append(group)
+        self._size += 1
+        self.added += 1
+        while self._size > self.max_groups:
+            oldest = min(self._by_version)
+            self._pop_left(oldest)
+            self.dropped["overflow"] += 1
+
+    def _pop_left(self, version: int) -> Group:
+        bucket = self._by_version[version]
+        group = bucket.popleft()
+        if not bucket:
+            del self._by_version[version]
+        self._size -= 1
+        return group
+
+    def count_usable(self, step: int) -> int:
+        """Groups that ``take(step, ...)`` could return: ``step - S <= version <= step``."""
+        low, high = self._window(step)
+        return sum(len(bucket) for version, bucket in self._by_version.items() if low <= version <= high)
+
+    def ready(self, step: int, groups_needed: int) -> bool:
+        return self.count_usable(step) >= groups_needed
+
+    def discard_stale(self, step: int) -> int:
+        """Drop every group with ``step - version > S`` (counted as stale); return how many."""
+        low, _ = self._window(step)
+        discarded = 0
+        for version in [v for v in self._by_version if v < low]:
+            n = len(self._by_version.pop(version))
+            self._size -= n
+            discarded += n
+        self.dropped["stale"] += discarded
+        return discarded
+
+    def take(self, step: int, groups_needed: int) -> list[Group]:
+        """Discard stale groups, then remove and return ``groups_needed`` usable groups, oldest
+        version first (ties by arrival). Groups from the future (``version > step``) stay.
+
+        Raises ValueError if fewer than ``groups_needed`` are usable; stale groups are discarded
+        even then, since a step never goes back.
+        """
+        if groups_needed < 0:
+            raise ValueError(f"groups_needed must be >= 0, got {groups_needed}")
+        self.discard_stale(step)
+        usable = self.count_usable(step)
+        if usable < groups_needed:
+            raise ValueError(
+                f"only {usable} groups within staleness S={self.staleness} of step {step}, {groups_needed} needed"
+            )
+        low, high = self._window(step)
+        out: list[Group] = []
+        for version in sorted(v for v in self._by_version if low <= v <= high):
+            while len(out) < groups_needed and version in self._by_version:
+                out.append(self._pop_left(version))
+            if len(out) == groups_needed:
+                break
+        for group in out:
+            self.staleness_histogram[step - group.version] += 1
+        self.taken += len(out)
+        return out
+
+    def versions(self) -> dict[int, int]:
+        """Groups held per version, for telemetry."""
+        return {version: len(bucket) for version, bucket in sorted(self._by_version.items())}

@@ -1,0 +1,160 @@
+"""The learner's data intake: serves `rpc_lease` and `rpc_submit` for rollout peers.
+
+    rpc_lease ─► budget check ─► LeaseManager.issue ─► Lease (prompts, sampling, min version, signed head)
+    rpc_submit ─► per group: lease owner? open prompt? version in window? shapes? decodes?
+                  ─► reward by the task (ground truth stays here) ─► RolloutBuffer ─► wake the trainer
+
+Back-pressure: groups open in leases plus groups usable in the buffer never exceed
+(S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
+a peer is told to wait (`LeaseWait`) and asks again shortly. A peer holding an older version
+gets only as much work as the steps left in that version's window can still consume (oldest
+groups train first), and is told to fetch the newer version for the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+
+from echo2swarm.config.rl import LeaseConfig, TrainConfig
+from echo2swarm.learner.buffer import Group, RolloutBuffer
+from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
+from echo2swarm.learner.protocol import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
+from echo2swarm.overlay.rpc import RpcError
+from echo2swarm.runtime.logging import get_logger
+from echo2swarm.tasks.base import Task
+
+logger = get_logger(__name__)
+
+
+class Intake:
+    def __init__(
+        self,
+        task: Task,
+        train: TrainConfig,
+        leases_config: LeaseConfig,
+        *,
+        encode: Callable[[str], list[int]],
+        decode: Callable[[list[int]], str],
+        limits: GroupLimits,
+        version: int,
+        cursor: int = 0,
+        requeue: list[int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.task = task
+        self.train = train
+        self.leases_config = leases_config
+        self.encode = encode
+        self.decode = decode
+        self.limits = limits
+        self.clock = clock
+        self.version = version            # the step about to train = newest acceptable version
+        self.published_version = version  # what peers can fetch
+        self.head_json: str | None = None
+        self.done = False
+        self.leases = LeaseManager(leases_config.timeout_s, leases_config.max_prompts, cursor, requeue or [])
+        self.buffer = RolloutBuffer(train.staleness)
+        self.wake = asyncio.Event()
+        self.accepted = 0
+        self.refused: Counter[str] = Counter()
+        self.delivered: Counter[str] = Counter()  # accepted groups per peer id
+        self._seeds = random.Random(train.seed)
+
+    @property
+    def capacity(self) -> int:
+        return (self.train.staleness + 1) * self.train.prompts_per_step
+
+    def budget(self, held_version: int | None = None) -> int:
+        committed = self.leases.open_prompts() + self.buffer.count_usable(self.version)
+        budget = self.capacity - committed
+        if held_version is not None and held_version < self.published_version:
+            # Groups of version h can train steps up to h + S; the committed ones train first.
+            steps_left = held_version + self.train.staleness - self.version + 1
+            budget = min(budget, steps_left * self.train.prompts_per_step - committed)
+        return budget
+
+    def _refuse(self, reason: str, peer: str, detail: str = "") -> None:
+        self.refused[reason] += 1
+        logger.debug("refused group from %s: %s %s", peer[-8:], reason, detail)
+
+    async def rpc_lease(self, request: LeaseRequest, peer: str) -> Lease | LeaseWait:
+        if self.done:
+            return LeaseWait(retry_s=5.0, reason="training finished", done=True, head=self.head_json)
+        self.leases.expire(self.clock())
+        min_version = max(1, self.version - self.train.staleness)
+        min_version = min(min_version, self.published_version)
+        lease = self.leases.issue(
+            peer, request.max_prompts, budget=self.budget(request.held_version), min_version=min_version,
+            now=self.clock(), prompt_id_of=lambda i: self.task.prompt(i).prompt_id,
+        )
+        if lease is None:
+            stale = request.held_version is not None and request.held_version < self.published_version
+            reason = f"fetch v{self.published_version} first" if stale else "enough work in flight"
+            return LeaseWait(retry_s=self.leases_config.wait_retry_s, reason=reason, head=self.head_json)
+        return Lease(
+            lease_id=lease.lease_id,
+            prompts=[LeasePrompt(prompt_id=pid, text=self.task.prompt(i).text) for pid, i in lease.prompts.items()],
+            sampling=SamplingSpec(
+                n=self.train.group_size, max_new_tokens=self.train.max_new_tokens, temperature=self.train.temperature,
+                top_p=self.train.top_p, seed=self._seeds.getrandbits(62),
+            ),
+            min_version=lease.min_version,
+            deadline_s=self.leases_config.timeout_s,
+            head=self.head_json,
+        )
+
+    def accept(self, sub: GroupSubmission, peer: str) -> str | None:
+        """Check one group and, if acceptable, reward it and buffer it. Returns the refusal reason."""
+        reason = self.leases.check(peer, sub.lease_id, sub.prompt_id)
+        if reason is None:
+            reason = check_group(sub, self.limits, current_version=self.version, staleness=self.train.staleness)
+        texts: list[str] = []
+        if reason is None:
+            try:
+                texts = [self.decode(c.token_ids) for c in sub.completions]
+            except Exception:  # a tokenizer that cannot decode these ids
+                reason = "undecodable"
+            if any("\ufffd" in t for t in texts):
+                reason = "undecodable"
+        if reason is not None:
+            self._refuse(reason, peer, sub.prompt_id)
+            return reason
+        index = self.leases.complete(sub.lease_id, sub.prompt_id)
+        prompt = self.task.prompt(index)
+        rewards = [
+            float(self.task.reward(prompt.prompt_id, text, c.finish_reason == "stop"))
+            for text, c in zip(texts, sub.completions)
+        ]
+        self.buffer.add(Group(
+            prompt_id=prompt.prompt_id,
+            version=sub.version,
+            prompt_ids=self.encode(prompt.text),
+            completions=[list(c.token_ids) for c in sub.completions],
+            behaviour_logprobs=[list(c.logprobs) for c in sub.completions],
+            rewards=rewards,
+            finish_reasons=[c.finish_reason for c in sub.completions],
+            peer_id=peer,
+            received_at=self.clock(),
+        ))
+        self.accepted += 1
+        self.delivered[peer] += 1
+        self.wake.set()
+        return None
+
+    async def rpc_submit(self, messages: AsyncIterator[GroupSubmission | RpcError], peer: str) -> SubmitResult:
+        accepted, refused = 0, Counter()
+        async for message in messages:
+            if isinstance(message, RpcError):
+                self._refuse("malformed", peer, str(message))
+                refused["malformed"] += 1
+                continue
+            reason = self.accept(message, peer)
+            if reason is None:
+                accepted += 1
+            else:
+                refused[reason] += 1
+        return SubmitResult(accepted=accepted, refused=dict(refused))

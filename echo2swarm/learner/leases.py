@@ -1,0 +1,162 @@
+"""Leases: which prompts each rollout peer is working on, and whether what it sends back is acceptable.
+
+Pure logic (no I/O, no clocks of its own: callers pass `now`), so every rule is unit-tested:
+- prompts are handed out in order from a cursor; prompts of expired leases are re-issued first;
+- a group is accepted only from the peer that holds the lease, for a prompt still open in it,
+  generated with a version inside [current - S, current], with the group size, lengths, token
+  ids and logprobs the lease allowed; each refusal has a reason that is counted.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from echo2swarm.learner.protocol import GroupSubmission
+
+
+@dataclass
+class OpenLease:
+    lease_id: str
+    peer_id: str
+    prompts: dict[str, int]  # prompt_id -> prompt index, still open
+    deadline: float
+    min_version: int
+    issued_at: float
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    group_size: int
+    max_new_tokens: int
+    vocab_size: int
+    eos_token_id: int | None
+
+
+class LeaseManager:
+    """Hands out prompt indices and tracks them until a group comes back or the lease expires.
+
+    >>> leases = LeaseManager(timeout_s=60, max_prompts=8)
+    >>> lease = leases.issue("12D3...", 4, budget=16, min_version=3, now=0.0)
+    >>> leases.check("12D3...", lease.lease_id, next(iter(lease.prompts)))   # None: acceptable
+    """
+
+    def __init__(self, timeout_s: float, max_prompts: int, cursor: int = 0, requeue: Iterable[int] = ()):
+        self.timeout_s = timeout_s
+        self.max_prompts = max_prompts
+        self.cursor = cursor
+        self.requeue: deque[int] = deque(requeue)
+        self.open: dict[str, OpenLease] = {}
+        self.stats: Counter[str] = Counter()
+        self._done: set[tuple[str, str]] = set()  # (lease_id, prompt_id) completed, to tell duplicates apart
+
+    def open_prompts(self) -> int:
+        return sum(len(lease.prompts) for lease in self.open.values())
+
+    def issue(self, peer_id: str, want: int, *, budget: int, min_version: int, now: float,
+              prompt_id_of: callable = lambda i: f"train:{i}") -> OpenLease | None:  # type: ignore[valid-type]
+        n = min(want, self.max_prompts, budget)
+        if n <= 0:
+            return None
+        indices = []
+        while len(indices) < n and self.requeue:
+            indices.append(self.requeue.popleft())
+            self.stats["reissued"] += 1
+        while len(indices) < n:
+            indices.append(self.cursor)
+            self.cursor += 1
+        lease = OpenLease(
+            lease_id=secrets.token_hex(8),
+            peer_id=peer_id,
+            prompts={prompt_id_of(i): i for i in indices},
+            deadline=now + self.timeout_s,
+            min_version=min_version,
+            issued_at=now,
+        )
+        self.open[lease.lease_id] = lease
+        self.stats["leases"] += 1
+        self.stats["prompts_issued"] += n
+        return lease
+
+    def expire(self, now: float) -> int:
+        """Re-queue the open prompts of every lease past its deadline. Returns how many prompts."""
+        expired = [lid for lid, lease in self.open.items() if lease.deadline <= now]
+        requeued = 0
+        for lid in expired:
+            lease = self.open.pop(lid)
+            self.requeue.extend(sorted(lease.prompts.values()))
+            requeued += len(lease.prompts)
+            self.stats["leases_expired"] += 1
+        return requeued
+
+    def drop_peer(self, peer_id: str) -> int:
+        """Re-queue at once everything a peer that left the swarm was working on."""
+        gone = [lid for lid, lease in self.open.items() if lease.peer_id == peer_id]
+        requeued = 0
+        for lid in gone:
+            lease = self.open.pop(lid)
+            self.requeue.extend(sorted(lease.prompts.values()))
+            requeued += len(lease.prompts)
+            self.stats["leases_revoked"] += 1
+        return requeued
+
+    def check(self, peer_id: str, lease_id: str, prompt_id: str) -> str | None:
+        lease = self.open.get(lease_id)
+        if lease is None:
+            return "duplicate" if (lease_id, prompt_id) in self._done else "unknown_lease"
+        if lease.peer_id != peer_id:
+            return "foreign_lease"
+        if prompt_id not in lease.prompts:
+            return "duplicate" if (lease_id, prompt_id) in self._done else "unknown_prompt"
+        return None
+
+    def complete(self, lease_id: str, prompt_id: str) -> int:
+        """Close one prompt of a lease; returns its prompt index."""
+        lease = self.open[lease_id]
+        index = lease.prompts.pop(prompt_id)
+        self._done.add((lease_id, prompt_id))
+        if len(self._done) > 100_000:  # bounded memory; very old duplicates then read as unknown_lease
+            self._done.clear()
+        if not lease.prompts:
+            del self.open[lease_id]
+        self.stats["prompts_completed"] += 1
+        return index
+
+    def snapshot(self) -> dict:
+        """What a checkpoint keeps: open prompts are re-issued after a restart."""
+        pending = list(self.requeue) + sorted(i for lease in self.open.values() for i in lease.prompts.values())
+        return {"cursor": self.cursor, "requeue": pending}
+
+
+def check_group(sub: GroupSubmission, limits: GroupLimits, *, current_version: int, staleness: int) -> str | None:
+    """Content rules for one submitted group; returns the refusal reason or None."""
+    if sub.version > current_version:
+        return "future_version"
+    if current_version - sub.version > staleness:
+        return "stale_version"
+    if len(sub.completions) != limits.group_size:
+        return "bad_group_size"
+    for completion in sub.completions:
+        ids, logprobs = completion.token_ids, completion.logprobs
+        if not ids or len(ids) != len(logprobs):
+            return "bad_shape"
+        if len(ids) > limits.max_new_tokens:
+            return "too_long"
+        if any(t >= limits.vocab_size for t in ids):
+            return "bad_token"
+        if any(not math.isfinite(lp) or lp > 1e-4 for lp in logprobs):
+            return "bad_logprob"
+        if limits.eos_token_id is not None:
+            ends_with_eos = ids[-1] == limits.eos_token_id
+            if (completion.finish_reason == "stop") != ends_with_eos or limits.eos_token_id in ids[:-1]:
+                return "bad_finish"
+    return None
+
+
+@dataclass
+class IntakeCounters:
+    accepted: int = 0
+    refused: Counter[str] = field(default_factory=Counter)

@@ -1,0 +1,50 @@
+"""Per-step learner metrics: one JSON object per line in run_dir/metrics.jsonl (and TensorBoard if installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class MetricsLog:
+    """Append-only, flushed every line, so `tail -f` and a crashed run both see every finished step."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        self._tb: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # needs the optional `tensorboard` package
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        except ImportError:
+            pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        if self._tb is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                records.append(json.loads(line))
+    return records

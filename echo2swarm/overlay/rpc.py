@@ -1,0 +1,159 @@
+"""Typed RPC over libp2p streams: `rpc_<verb>` handlers with pydantic messages carried as msgpack.
+
+hivemind's P2P speaks protobuf; instead of generating message classes we wrap msgpack bytes in
+protobuf's `BytesValue`, and validate them with the pydantic models in `learner/protocol.py`.
+The caller's identity is the peer id libp2p authenticated for the stream (`context.remote_id`),
+never something in the message. Malformed or oversized messages get an error reply; the
+handler never raises into hivemind, so a garbage-sending peer costs us one log line.
+
+    server: await serve_unary(p2p, "echo2swarm.demo.rpc_lease", handle_lease, LeaseRequest)
+    client: reply = await call_unary(p2p, peer_id, "echo2swarm.demo.rpc_lease", request, timeout=10)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgpack
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, P2PContext, PeerID
+from pydantic import BaseModel, ValidationError
+
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+# hivemind's persistent connection carries messages up to 4 MiB; stay well inside it.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024 - 64 * 1024
+M = TypeVar("M", bound=BaseModel)
+
+
+class RpcError(Exception):
+    """The remote refused the call or answered something we cannot use."""
+
+
+def rpc_name(swarm: str, verb: str) -> str:
+    return f"echo2swarm/{swarm}/rpc_{verb}"
+
+
+def encode(message: BaseModel | dict[str, Any]) -> BytesValue:
+    body = message.model_dump(mode="json") if isinstance(message, BaseModel) else message
+    data = msgpack.packb(body, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise RpcError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+    return BytesValue(value=data)
+
+
+def decode(wrapper: BytesValue, model: type[M]) -> M:
+    data = wrapper.value
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise RpcError(f"message of {len(data)} bytes exceeds the limit")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise RpcError(f"undecodable message: {type(e).__name__}") from None
+    if isinstance(body, dict) and "error" in body and len(body) == 1:
+        raise RpcError(f"remote error: {str(body['error'])[:300]}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise RpcError(f"invalid {model.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _error(message: str) -> BytesValue:
+    return BytesValue(value=msgpack.packb({"error": message}))
+
+
+async def serve_unary(
+    p2p: P2P, name: str, handler: Callable[[M, str], Awaitable[BaseModel]], request_model: type[M]
+) -> None:
+    async def _handle(wrapper: BytesValue, context: P2PContext) -> BytesValue:
+        peer = context.remote_id.to_base58()
+        try:
+            request = decode(wrapper, request_model)
+        except RpcError as e:
+            logger.info("refused %s from %s: %s", name.rsplit("/", 1)[-1], peer[-8:], e)
+            return _error(str(e))
+        try:
+            return encode(await handler(request, peer))
+        except Exception as e:
+            logger.exception("%s handler failed", name)
+            return _error(f"internal error: {type(e).__name__}")
+
+    await p2p.add_protobuf_handler(name, _handle, BytesValue)
+
+
+async def serve_client_stream(
+    p2p: P2P, name: str, handler: Callable[[AsyncIterator[M | RpcError], str], Awaitable[BaseModel]],
+    request_model: type[M],
+) -> None:
+    """The handler gets each streamed message decoded, or the RpcError that message caused."""
+
+    async def _handle(stream: AsyncIterator[BytesValue], context: P2PContext) -> BytesValue:
+        peer = context.remote_id.to_base58()
+
+        async def messages() -> AsyncIterator[M | RpcError]:
+            async for wrapper in stream:
+                try:
+                    yield decode(wrapper, request_model)
+                except RpcError as e:
+                    yield e
+
+        try:
+            return encode(await handler(messages(), peer))
+        except Exception as e:
+            logger.exception("%s handler failed", name)
+            return _error(f"internal error: {type(e).__name__}")
+
+    await p2p.add_protobuf_handler(name, _handle, BytesValue, stream_input=True)
+
+
+async def call_unary(
+    p2p: P2P, peer_id: str, name: str, request: BaseModel, response_models: tuple[type[BaseModel], ...], timeout: float
+) -> BaseModel:
+    try:
+        wrapper = await asyncio.wait_for(
+            p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, encode(request), BytesValue), timeout
+        )
+    except asyncio.TimeoutError:
+        raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} timed out after {timeout:.0f} s") from None
+    except RpcError:
+        raise
+    except Exception as e:  # hivemind raises P2PHandlerError, P2PDaemonError, ConnectionError ...
+        raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} failed: {type(e).__name__}: {e}") from None
+    return _decode_any(wrapper, response_models)
+
+
+async def call_client_stream(
+    p2p: P2P, peer_id: str, name: str, requests: list[BaseModel], response_model: type[M], timeout: float
+) -> M:
+    async def stream() -> AsyncIterator[BytesValue]:
+        for request in requests:
+            yield encode(request)
+
+    try:
+        wrapper = await asyncio.wait_for(
+            p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, stream(), BytesValue), timeout
+        )
+    except asyncio.TimeoutError:
+        raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} timed out after {timeout:.0f} s") from None
+    except RpcError:
+        raise
+    except Exception as e:
+        raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} failed: {type(e).__name__}: {e}") from None
+    return decode(wrapper, response_model)
+
+
+def _decode_any(wrapper: BytesValue, models: tuple[type[BaseModel], ...]) -> BaseModel:
+    """Decode a reply that may be one of several models, told apart by their `kind` literal."""
+    last: RpcError | None = None
+    for model in models:
+        try:
+            return decode(wrapper, model)
+        except RpcError as e:
+            if str(e).startswith("remote error"):
+                raise
+            last = e
+    raise last or RpcError("no reply model")

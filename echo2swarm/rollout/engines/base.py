@@ -1,0 +1,103 @@
+"""The engine contract: prompts + sampling params in, completions with behaviour logprobs out.
+
+Every rollout engine (transformers on CPU today, vLLM next) implements :class:`Engine`, so the
+rollout daemon never imports an inference library itself. The logprob convention is fixed here
+because the learner's importance ratios depend on it: a completion's ``logprobs[t]`` is
+``log_softmax(logits / T)[token_t]`` over the full vocabulary, i.e. the temperature-scaled
+distribution *before* top-p truncation (``T = 1`` for greedy decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = ["Completion", "Engine", "FinishReason", "SamplingParams"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one GRPO group per prompt.
+
+    Example::
+
+        params = SamplingParams(n=8, max_new_tokens=16, temperature=1.0, seed=7)
+        groups = engine.generate(["12+3="], params)   # groups[0] holds 8 completions
+    """
+
+    n: int
+    """Completions per prompt (the GRPO group size); >= 1."""
+    max_new_tokens: int
+    """Most tokens generated per completion, EOS included; >= 1."""
+    temperature: float = 1.0
+    """Softmax temperature; 0.0 means greedy (argmax), with logprobs taken at T = 1."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; 1.0 disables truncation."""
+    seed: int | None = None
+    """Seed of the sampler's own generator; None draws a fresh one. Same seed, weights and
+    prompts give the same completions on the same engine and device."""
+
+    def __post_init__(self) -> None:
+        # bool is an int subclass: `n=True` is almost certainly a bug upstream.
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an integer >= 1, got {self.n!r}")
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(f"SamplingParams.max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        # `not x >= 0` (rather than `x < 0`) also rejects NaN.
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.temperature == float("inf"):
+            raise ValueError("SamplingParams.temperature must be finite, got inf")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt."""
+
+    token_ids: list[int]
+    """Generated ids, including the final EOS id when ``finish_reason == "stop"``."""
+    logprobs: list[float]
+    """Behaviour logprob of each generated token (see the module docstring); same length as
+    ``token_ids``."""
+    finish_reason: FinishReason
+    """``"stop"``: an EOS id was produced; ``"length"``: ``max_new_tokens`` ran out first."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation backend that the rollout daemon drives.
+
+    Implementations are not thread-safe: one caller generates or loads weights at a time.
+    """
+
+    name: str
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        """Return, for each prompt in order, ``params.n`` completions."""
+        ...
+
+    def load_weights(self, model_dir: Path) -> float:
+        """Swap in the weights of an HF model dir's ``*.safetensors`` in place; return seconds taken.
+
+        Raises ValueError (and keeps the old weights) when the tensors do not fit the model.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the model and any device memory; the engine is unusable afterwards."""
+        ...

@@ -1,0 +1,353 @@
+"""Transformers engine: the CPU (and plain-CUDA) fallback behind the :class:`Engine` protocol.
+
+    prompts ─► tokenize ─► rows = prompt × n ─► sub-batches of ≤ max_batch_sequences rows
+        └─► prefill each distinct prompt once (left-padded, last-position logits only)
+            ─► fan the KV cache out to the n rows of its group
+            ─► decode loop with a DynamicCache:
+                 sample (temperature, top-p, local torch.Generator) ─► record token + logprob
+                 ─► finished rows are dropped from the batch once enough of them pile up
+
+A hand-written loop rather than ``model.generate``: the behaviour logprob has one exact
+definition here (see ``base.py``), there is no logits-processor stack to second-guess, and the
+per-step overhead is a single forward call. Memory is bounded by ``max_batch_sequences``; the
+caller applies back-pressure by how much it asks for at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+__all__ = ["TransformersEngine"]
+
+# Rebuild the batch without finished rows once at least this fraction of the rows is finished:
+# compacting copies the whole KV cache, so doing it for every single EOS costs more than it saves.
+_COMPACT_FRACTION = 0.25
+
+
+@contextmanager
+def _torch_threads(threads: int | None) -> Iterator[None]:
+    """Use ``threads`` intra-op threads for the duration, then restore the process setting."""
+    if threads is None or threads == torch.get_num_threads():
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class TransformersEngine:
+    """Batched sampling with a KV cache on a Hugging Face causal LM.
+
+    Example::
+
+        engine = TransformersEngine(Path("models/tiny"), threads=2)
+        groups = engine.generate(["12+3=", "7+8="], SamplingParams(n=8, max_new_tokens=6, seed=1))
+        seconds = engine.load_weights(Path("policy/v2"))   # same model object, new weights
+        engine.close()
+    """
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        max_batch_sequences: int = 256,
+        dtype: torch.dtype | None = None,
+    ):
+        """
+        Args:
+            model_dir: an HF model directory (config, tokenizer, ``*.safetensors``).
+            device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+            threads: torch intra-op threads while generating or loading; None leaves the
+                process setting alone.
+            max_batch_sequences: most rows (prompt × sample) in one forward batch.
+            dtype: parameter dtype; None means float32 on CPU and the checkpoint's dtype elsewhere.
+        """
+        if max_batch_sequences < 1:
+            raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.threads = threads
+        self.max_batch_sequences = max_batch_sequences
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else "auto"
+        with _torch_threads(threads):
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
+        self.model = model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._eos_ids = self._find_eos_ids()
+        self._eos_tensor = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=self.device)
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else min(self._eos_ids)
+        self._max_positions: int | None = getattr(self.model.config, "max_position_embeddings", None)
+        logger.info(
+            "transformers engine: %s on %s (%s, %d params, eos ids %s, threads %s)",
+            self.model_dir, self.device, next(self.model.parameters()).dtype,
+            sum(p.numel() for p in self.model.parameters()), sorted(self._eos_ids), threads or "process default",
+        )
+
+    def _find_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        configured = getattr(self.model.generation_config, "eos_token_id", None)
+        if configured is None:
+            configured = getattr(self.model.config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured is not None:
+            ids.update(int(i) for i in configured)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        if not ids:
+            raise ValueError(
+                f"{self.model_dir}: no EOS token id in generation_config.json, config.json or the tokenizer; "
+                "set eos_token_id in one of them"
+            )
+        return ids
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        model = self._require_open()
+        if not prompts:
+            return []
+        encoded: list[list[int]] = self.tokenizer(list(prompts))["input_ids"]
+        for index, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
+        longest = max(len(ids) for ids in encoded)
+        if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
+            logger.warning(
+                "prompt of %d tokens + max_new_tokens %d exceeds the model's %d positions",
+                longest, params.max_new_tokens, self._max_positions,
+            )
+
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+
+        # Row r is sample r % n of prompt r // n.
+        total = len(encoded) * params.n
+        order = list(range(total))
+        if total > self.max_batch_sequences:
+            # Similar lengths share a sub-batch, so less compute goes to padding.
+            order.sort(key=lambda r: len(encoded[r // params.n]))
+        results: list[Completion | None] = [None] * total
+        with _torch_threads(self.threads), torch.inference_mode():
+            for start in range(0, len(order), self.max_batch_sequences):
+                chunk = order[start : start + self.max_batch_sequences]
+                # A GRPO group repeats its prompt n times: prefill each distinct prompt once.
+                firsts: dict[int, int] = {}
+                expand = [firsts.setdefault(row // params.n, len(firsts)) for row in chunk]
+                distinct = [encoded[prompt] for prompt in firsts]
+                for row, completion in zip(chunk, self._generate_batch(model, distinct, expand, params, generator)):
+                    results[row] = completion
+        return [results[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]  # type: ignore[misc]
+
+    def _generate_batch(
+        self,
+        model: torch.nn.Module,
+        prompts: Sequence[list[int]],
+        expand: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[Completion]:
+        """Sample one completion per entry of ``expand`` (an index into ``prompts``)."""
+        device = self.device
+        width, steps = max(len(p) for p in prompts), params.max_new_tokens
+        input_ids = torch.tensor(
+            [[self._pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long, device=device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device
+        )
+        # Qwen-style RoPE numbers positions 0..L-1 regardless of padding unless told otherwise.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+        # Without padding the model can take its plain-causal fast path: pass no mask at all.
+        mask = attention_mask if any(len(p) != width for p in prompts) else None
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1, :]
+        if expand != list(range(len(prompts))):
+            rows = torch.tensor(expand, dtype=torch.long, device=device)
+            cache.batch_select_indices(rows)  # gathers with repeats: each row gets its prompt's KV
+            logits, position_ids = logits[rows], position_ids[rows]
+            mask = mask[rows] if mask is not None else None
+        next_position = position_ids[:, -1] + 1
+
+        batch = len(expand)
+        tokens = torch.full((batch, steps), self._pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+        lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        live = torch.arange(batch, device=device)  # batch position → row
+        done = torch.zeros(batch, dtype=torch.bool, device=device)  # per batch position
+
+        for step in range(steps):
+            token, logprob = _sample(logits, params, generator)
+            tokens[live, step] = token
+            logprobs[live, step] = logprob
+            hit = torch.isin(token, self._eos_tensor) & ~done
+            if step == steps - 1:
+                stopped[live[hit]] = True
+                lengths[live[hit]] = step + 1
+                break
+            if bool(hit.any()):
+                stopped[live[hit]] = True
+                lengths[live[hit]] = step + 1
+                done |= hit
+                finished = int(done.sum())
+                if finished == done.numel():
+                    break
+                if finished >= _COMPACT_FRACTION * done.numel():
+                    keep = (~done).nonzero().squeeze(1)
+                    cache.batch_select_indices(keep)
+                    next_position = next_position[keep]
+                    mask = mask[keep] if mask is not None else None
+                    token, live, done = token[keep], live[keep], done[keep]
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            logits = model(
+                input_ids=token[:, None], attention_mask=mask,
+                position_ids=next_position[:, None], past_key_values=cache, use_cache=True,
+            ).logits[:, -1, :]
+            next_position = next_position + 1
+
+        token_rows, logprob_rows = tokens.tolist(), logprobs.tolist()
+        return [
+            Completion(token_ids=t[:n], logprobs=lp[:n], finish_reason="stop" if s else "length")
+            for t, lp, n, s in zip(token_rows, logprob_rows, lengths.tolist(), stopped.tolist())
+        ]
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, model_dir: Path) -> float:
+        model = self._require_open()
+        started = time.perf_counter()
+        model_dir = Path(model_dir)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir}: no *.safetensors files to load")
+        with _torch_threads(self.threads):
+            loaded: dict[str, torch.Tensor] = {}
+            for file in files:
+                tensors = load_file(file, device="cpu")
+                duplicated = sorted(set(tensors) & set(loaded))
+                if duplicated:
+                    raise ValueError(f"{model_dir}: tensors {duplicated} appear in more than one safetensors file")
+                loaded.update(tensors)
+            full = _complete_state_dict(model, loaded, model_dir)
+            # Copies into the existing parameters (tied ones share storage), so every holder of
+            # the model object sees the new weights and nothing is re-instantiated.
+            model.load_state_dict(full, strict=True)
+        seconds = time.perf_counter() - started
+        logger.info("loaded %d tensors from %s in %.3f s", len(loaded), model_dir, seconds)
+        return seconds
+
+    def close(self) -> None:
+        if getattr(self, "model", None) is None:
+            return
+        on_cuda = self.device.type == "cuda"
+        self.model = None  # type: ignore[assignment]
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+    def _require_open(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("TransformersEngine is closed")
+        return self.model
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row; return (token ids, their behaviour logprobs)."""
+    logits = logits.float()
+    if params.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = logits.argmax(dim=-1)
+    else:
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = logp.exp()
+        if params.top_p < 1.0:
+            sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+            # Keep a token while the mass ranked above it is still short of top_p (the top one always).
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+            choice = torch.multinomial(sorted_probs.masked_fill_(drop, 0.0), 1, generator=generator)
+            token = sorted_ids.gather(-1, choice).squeeze(-1)
+        else:
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _complete_state_dict(
+    model: torch.nn.Module, loaded: dict[str, torch.Tensor], source: Path
+) -> dict[str, torch.Tensor]:
+    """Validate ``loaded`` against the model and fill in tied aliases absent from the file.
+
+    Raises ValueError naming every unexpected, missing or wrongly shaped tensor.
+    """
+    state = model.state_dict()
+    # Tied parameters (lm_head ↔ embed_tokens) are the same tensor under two names.
+    aliases: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for key, tensor in state.items():
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        aliases.setdefault(identity, []).append(key)
+
+    unexpected = sorted(k for k in loaded if k not in state)
+    mismatched = sorted(
+        f"{k} (file {tuple(v.shape)}, model {tuple(state[k].shape)})"
+        for k, v in loaded.items()
+        if k in state and tuple(v.shape) != tuple(state[k].shape)
+    )
+    full: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    differing: list[str] = []
+    for group in aliases.values():
+        present = [k for k in group if k in loaded]
+        if not present:
+            missing.extend(group)
+            continue
+        first = loaded[present[0]]
+        for other in present[1:]:
+            if loaded[other].shape == first.shape and not torch.equal(loaded[other], first):
+                differing.append(f"{present[0]} / {other}")
+        for key in group:
+            full[key] = loaded.get(key, first)
+
+    problems = []
+    if mismatched:
+        problems.append(f"shape mismatch: {', '.join(mismatched)}")
+    if missing:
+        problems.append(f"missing: {', '.join(sorted(missing))}")
+    if unexpected:
+        problems.append(f"unexpected: {', '.join(unexpected)}")
+    if differing:
+        problems.append(f"tied in the model but different in the file: {', '.join(differing)}")
+    if problems:
+        raise ValueError(f"{source}: weights do not fit the loaded model ({'; '.join(problems)}); old weights kept")
+    return full

@@ -1,0 +1,91 @@
+"""The RL loop on a real swarm: learner + rollout peers as processes, trajectories over libp2p."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
+
+
+def _metrics(learner) -> Path:
+    return learner.state_dir / "run" / "metrics.jsonl"
+
+
+def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
+    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+):
+    staleness = 1
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness)
+    local_swarm.bootstrap()
+    learner = local_swarm.start("learner", "--config", str(config))
+    trust = Path(f"{policy_key}.pub")
+    survivor = local_swarm.rollout("rollout-1", trust=trust)
+    victim = local_swarm.rollout("rollout-2", trust=trust, env=PACED)  # slow: almost always mid-lease
+    for d in (learner, survivor, victim):
+        local_swarm.ready(d)
+    wait_until(lambda: len(read_metrics(_metrics(learner))) >= 8, 120, interval=0.2, what="8 training steps")
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = len(read_metrics(_metrics(learner)))
+    assert learner.proc is not None
+    learner.proc.wait(180)  # the learner exits by itself after its last step
+    assert learner.proc.returncode == 0, learner.log_tail()
+
+    records = read_metrics(_metrics(learner))
+    assert [r["step"] for r in records] == list(range(1, 31)), "every step ran once, in order"
+    for r in records:
+        assert all(0 <= s <= staleness for s in r["staleness"]), f"step {r['step']} trained on staleness {r['staleness']}"
+        assert r["version"] == r["step"]  # version v is the policy before step v
+    end = records[-1]
+    trained = 8 * len(records)
+    # No accepted group is lost: each one was trained on, dropped by the staleness rule (counted), or left over.
+    assert end["accepted"] >= trained + end["dropped"].get("stale", 0)
+    assert end["accepted"] - trained - sum(end["dropped"].values()) <= (staleness + 1) * 8
+    assert end["leases"].get("reissued", 0) >= 1, "the killed peer's lease should have been re-issued"
+    assert killed_at < 30 and survivor.running()
+    delivered = end["delivered"]
+    assert delivered.get(survivor.info["peer_id"], 0) > 0 and delivered.get(victim.info["peer_id"], 0) > 0
+    assert (learner.state_dir / "run" / "final" / "config.json").exists()
+
+
+def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
+    local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
+):
+    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=90, checkpoint_every=20,
+                          prompts_per_step=16, group_size=8)
+    local_swarm.bootstrap()
+    learner = local_swarm.start("learner", "--config", str(config))
+    trust = Path(f"{policy_key}.pub")
+    peers = [local_swarm.rollout(f"rollout-{i}", trust=trust) for i in (1, 2)]
+    for d in (learner, *peers):
+        local_swarm.ready(d)
+    pids = [p.pid for p in peers]
+    checkpoints = learner.state_dir / "run" / "checkpoints"
+    wait_until(lambda: (checkpoints / "step-00000040").is_dir(), 240, interval=0.2, what="the step-40 checkpoint")
+    before = read_metrics(_metrics(learner))
+    last_published = max(r["published_version"] for r in before)
+    os.kill(learner.pid, signal.SIGKILL)
+
+    restarted = local_swarm.start("learner-again", "--config", str(config), state_dir=learner.state_dir)
+    local_swarm.ready(restarted)
+    assert restarted.proc is not None
+    restarted.proc.wait(240)
+    assert restarted.proc.returncode == 0, restarted.log_tail()
+
+    records = read_metrics(_metrics(learner))
+    after = records[len(before):]
+    assert after and after[0]["step"] == 41, "training resumes after the last checkpoint"
+    assert after[-1]["step"] == 90
+    assert min(r["version"] for r in after) > last_published, "versions continue strictly upward"
+    # The same rollout peer processes reattached and now hold a post-restart version.
+    assert [p.pid for p in peers] == pids and all(p.running() for p in peers)
+    for p in peers:
+        assert http_json(p.info["chunk_url"] + "/v1/info")["version"] > last_published
+    first = [r["reward_mean"] for r in before[:20]]
+    last = [r["reward_mean"] for r in after[-20:]]
+    assert sum(last) / len(last) > sum(first) / len(first), f"reward did not rise: {first} -> {last}"
