@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Section(BaseModel):
@@ -41,6 +41,16 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
     keep_checkpoints: int = Field(2, ge=1)
     run_dir: Path | None = Field(None, description="metrics.jsonl, checkpoints, final model. None: <state_dir>/run.")
+
+    @model_validator(mode="after")
+    def _fits_in_a_message(self) -> "TrainConfig":
+        # One group travels in one RPC message (< 4 MiB); a token costs at most ~14 bytes in msgpack.
+        if self.group_size * self.max_new_tokens * 14 > 4_000_000:
+            raise ValueError(
+                f"group_size x max_new_tokens = {self.group_size * self.max_new_tokens} tokens per group exceeds "
+                "what one 4 MiB RPC message carries (~285k tokens); lower group_size or max_new_tokens"
+            )
+        return self
 
 
 class LeaseConfig(_Section):

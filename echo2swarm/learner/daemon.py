@@ -86,7 +86,7 @@ class LearnerService:
             task, self.train, self.config.leases,
             encode=self.trainer.encode_prompt, decode=self.trainer.decode,
             limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, self.trainer.vocab_size,
-                               self.trainer.eos_token_id),
+                               self.trainer.eos_token_ids),
             version=self.version, cursor=cursor, requeue=requeue,
         )
         self.intake.head_json = self._head_json()
@@ -101,8 +101,9 @@ class LearnerService:
         weights = await asyncio.to_thread(self.trainer.weights_bytes)
         files: dict[str, Path | bytes] = {**self.extra_files, "model.safetensors": weights}
         self.published = await asyncio.to_thread(self.publisher.publish_files, files, self.version)
-        await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks,
-                                max(self.config.store.keep_versions, 2))
+        # Keep a few versions beyond the staleness window: a slow follower may still be fetching one.
+        keep = max(self.config.store.keep_versions, self.train.staleness + 4)
+        await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks, keep)
         if self.intake is not None:
             self.intake.published_version = self.version
             self.intake.head_json = self._head_json()

@@ -111,14 +111,20 @@ class Intake:
         """Check one group and, if acceptable, reward it and buffer it. Returns the refusal reason."""
         reason = self.leases.check(peer, sub.lease_id, sub.prompt_id)
         if reason is None:
-            reason = check_group(sub, self.limits, current_version=self.version, staleness=self.train.staleness)
+            reason = check_group(sub, self.limits, current_version=self.version, staleness=self.train.staleness,
+                                 newest_published=self.published_version)
         texts: list[str] = []
         if reason is None:
             try:
                 texts = [self.decode(c.token_ids) for c in sub.completions]
             except Exception:  # a tokenizer that cannot decode these ids
                 reason = "undecodable"
-            if any("\ufffd" in t for t in texts):
+            # A replacement character means bytes that are no text, except at the very end of a
+            # completion cut by max_new_tokens, which may stop inside a multi-byte character.
+            if reason is None and any(
+                "\ufffd" in (t.rstrip("\ufffd") if c.finish_reason == "length" else t)
+                for t, c in zip(texts, sub.completions)
+            ):
                 reason = "undecodable"
         if reason is not None:
             self._refuse(reason, peer, sub.prompt_id)

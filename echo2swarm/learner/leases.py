@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import secrets
 from collections import Counter, deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from echo2swarm.learner.protocol import GroupSubmission
 
@@ -33,7 +33,7 @@ class GroupLimits:
     group_size: int
     max_new_tokens: int
     vocab_size: int
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]  # every id the model's generation config treats as end of sequence
 
 
 class LeaseManager:
@@ -57,7 +57,7 @@ class LeaseManager:
         return sum(len(lease.prompts) for lease in self.open.values())
 
     def issue(self, peer_id: str, want: int, *, budget: int, min_version: int, now: float,
-              prompt_id_of: callable = lambda i: f"train:{i}") -> OpenLease | None:  # type: ignore[valid-type]
+              prompt_id_of: Callable[[int], str] = lambda i: f"train:{i}") -> OpenLease | None:
         n = min(want, self.max_prompts, budget)
         if n <= 0:
             return None
@@ -131,9 +131,12 @@ class LeaseManager:
         return {"cursor": self.cursor, "requeue": pending}
 
 
-def check_group(sub: GroupSubmission, limits: GroupLimits, *, current_version: int, staleness: int) -> str | None:
+def check_group(
+    sub: GroupSubmission, limits: GroupLimits, *, current_version: int, staleness: int, newest_published: int | None = None
+) -> str | None:
     """Content rules for one submitted group; returns the refusal reason or None."""
-    if sub.version > current_version:
+    newest = current_version if newest_published is None else min(current_version, newest_published)
+    if sub.version > newest:  # no peer can hold a version that was never published
         return "future_version"
     if current_version - sub.version > staleness:
         return "stale_version"
@@ -149,14 +152,9 @@ def check_group(sub: GroupSubmission, limits: GroupLimits, *, current_version: i
             return "bad_token"
         if any(not math.isfinite(lp) or lp > 1e-4 for lp in logprobs):
             return "bad_logprob"
-        if limits.eos_token_id is not None:
-            ends_with_eos = ids[-1] == limits.eos_token_id
-            if (completion.finish_reason == "stop") != ends_with_eos or limits.eos_token_id in ids[:-1]:
+        if limits.eos_token_ids:
+            ends_with_eos = ids[-1] in limits.eos_token_ids
+            if (completion.finish_reason == "stop") != ends_with_eos or any(t in limits.eos_token_ids for t in ids[:-1]):
                 return "bad_finish"
     return None
 
-
-@dataclass
-class IntakeCounters:
-    accepted: int = 0
-    refused: Counter[str] = field(default_factory=Counter)

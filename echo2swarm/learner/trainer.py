@@ -80,8 +80,15 @@ class GRPOTrainer:
         return int(self.model.config.vocab_size)
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.tokenizer.eos_token_id
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id the generation config or tokenizer names (engines stop on any)."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            ids.update([value] if isinstance(value, int) else list(value or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer(text)["input_ids"])

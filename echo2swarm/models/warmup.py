@@ -90,7 +90,7 @@ def supervised_warmup(
 
     Each step takes ``batch_size`` consecutive train prompts, starting at an offset drawn from
     ``seed``; the sequence is prompt ids + answer ids + EOS with loss on the answer and EOS only
-    (token mean over the batch), AdamW at a constant ``lr`` with gradient-norm clipping at 1.0.
+    (token mean over the batch), AdamW (betas 0.9/0.98, weight decay 0.01) at a constant ``lr``.
     ``progress(step, loss)`` is called after every step (1-based). The model's train/eval mode is
     restored afterwards.
 
@@ -107,7 +107,10 @@ def supervised_warmup(
     device = _device(model)
     eos, pad = _eos_id(tokenizer), _pad_id(tokenizer)
     start = random.Random(f"warmup:{seed}").randrange(1 << 30)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    # beta2 0.98 rather than 0.999 and no gradient clipping: on the tiny model's two-digit addition
+    # both reached the "carry" phase sooner (3 seeds, 700 steps: greedy 0.58 vs 0.46 with 0.999,
+    # and clipping at 1.0 delayed it by hundreds of steps).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98))
     was_training = model.training
     model.train()
     loss_value = float("nan")
@@ -129,7 +132,6 @@ def supervised_warmup(
                 )
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 loss_value = loss.item()
                 if progress is not None:

@@ -6,8 +6,8 @@ The caller's identity is the peer id libp2p authenticated for the stream (`conte
 never something in the message. Malformed or oversized messages get an error reply; the
 handler never raises into hivemind, so a garbage-sending peer costs us one log line.
 
-    server: await serve_unary(p2p, "echo2swarm.demo.rpc_lease", handle_lease, LeaseRequest)
-    client: reply = await call_unary(p2p, peer_id, "echo2swarm.demo.rpc_lease", request, timeout=10)
+    server: await serve_unary(p2p, rpc_name("demo", "lease"), handle_lease, LeaseRequest)
+    client: reply = await call_unary(p2p, peer_id, rpc_name("demo", "lease"), request, (Lease, LeaseWait), timeout=10)
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ at ``MAX_ANSWER_CHARS`` to limit the damage of pathological expressions.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import random
 import threading
@@ -124,7 +125,8 @@ def grade_answer(completion: str, answer: str) -> float:
 
 
 def load_problems(path: str | Path) -> list[MathProblem]:
-    """Read problems from a JSONL/JSON file, a parquet file or a ``datasets.save_to_disk`` directory.
+    """Read problems from a JSON Lines file (``.jsonl``, ``.ndjson``, or ``.json`` with one object
+    per line), a ``.parquet`` file, or a ``datasets.Dataset.save_to_disk`` directory.
 
     Rows need ``question`` (or ``problem``) and ``answer`` (or ``solution``, whose last ``\\boxed{}``
     is the answer). Any problem raises ``ValueError`` naming the file and line/row.
@@ -217,7 +219,8 @@ class MathTask:
     """Problems from a local file; the eval split is ``eval_fraction`` of the rows, chosen by ``seed``.
 
     The train split is unbounded: index ``i`` is position ``i % n_train`` of a permutation of the
-    train rows that is reshuffled (seeded) every pass over them.
+    train rows that is reshuffled (seeded) every pass over them. Rows are split as they are: a
+    question that appears twice in the file can land on both sides.
 
     Example::
 
@@ -244,6 +247,8 @@ class MathTask:
             raise ValueError(f"prompt_template may only use the {{question}} field: {exc!r}") from None
         if "{question}" not in prompt_template:
             raise ValueError("prompt_template must contain {question}")
+        if importlib.util.find_spec("math_verify") is None:
+            raise ModuleNotFoundError("the math task grades answers with math-verify: pip install math-verify")
         self.path = Path(path)
         self.seed = seed
         self.prompt_template = prompt_template

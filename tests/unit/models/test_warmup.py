@@ -27,7 +27,7 @@ def test_warmup_lowers_the_loss(warmed: tuple) -> None:
     assert len(losses) == 150
     first, last = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
     assert first > 2.5  # ~ln(49) for a random init
-    assert last < 0.5 * first, (first, last)
+    assert last < 0.6 * first, (first, last)  # measured: ~3.0 -> ~1.3
     assert not model.training  # build_tiny_model returns an eval-mode model; warm-up restores it
 
 

@@ -1,0 +1,132 @@
+"""Lease bookkeeping and group acceptance rules of the learner's intake."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from echo2swarm.config.rl import LeaseConfig, TrainConfig
+from echo2swarm.learner.intake import Intake
+from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
+from echo2swarm.learner.protocol import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
+from echo2swarm.models.tiny import build_char_tokenizer
+from echo2swarm.tasks.registry import get_task
+
+A, B = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+EOS = 2
+LIMITS = GroupLimits(group_size=2, max_new_tokens=4, vocab_size=49, eos_token_ids=frozenset({EOS}))
+
+
+def completion(ids: list[int], finish: str = "stop") -> CompletionMsg:
+    return CompletionMsg(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish)
+
+
+def submission(version: int = 5, completions: list[CompletionMsg] | None = None, lease_id: str = "l", prompt_id: str = "p"):
+    return GroupSubmission(lease_id=lease_id, prompt_id=prompt_id, version=version, generation_s=0.1,
+                           completions=completions or [completion([5, EOS]), completion([6, 7, EOS])])
+
+
+def test_leases_hand_out_in_order_and_reissue_expired_prompts_first():
+    leases = LeaseManager(timeout_s=10, max_prompts=3)
+    first = leases.issue(A, 5, budget=10, min_version=1, now=0.0)
+    assert first is not None and sorted(first.prompts.values()) == [0, 1, 2]  # capped by max_prompts
+    second = leases.issue(B, 2, budget=10, min_version=1, now=1.0)
+    assert sorted(second.prompts.values()) == [3, 4]
+    assert leases.issue(A, 3, budget=0, min_version=1, now=1.0) is None
+    assert leases.expire(now=10.5) == 3  # A's lease lapsed, B's has until 11.0
+    again = leases.issue(B, 3, budget=10, min_version=1, now=10.6)
+    assert sorted(again.prompts.values()) == [0, 1, 2] and leases.stats["reissued"] == 3
+    assert leases.snapshot()["cursor"] == 5
+
+
+def test_lease_checks_owner_prompt_and_duplicates():
+    leases = LeaseManager(timeout_s=10, max_prompts=2)
+    lease = leases.issue(A, 2, budget=2, min_version=1, now=0.0)
+    pid = next(iter(lease.prompts))
+    assert leases.check(B, lease.lease_id, pid) == "foreign_lease"
+    assert leases.check(A, "nope", pid) == "unknown_lease"
+    assert leases.check(A, lease.lease_id, "train:999") == "unknown_prompt"
+    assert leases.check(A, lease.lease_id, pid) is None
+    leases.complete(lease.lease_id, pid)
+    assert leases.check(A, lease.lease_id, pid) == "duplicate"
+    assert leases.drop_peer(A) == 1 and list(leases.requeue) == [1]  # the prompt still open goes back
+
+
+@pytest.mark.parametrize(
+    ("sub", "reason"),
+    [
+        (submission(version=6), "future_version"),
+        (submission(version=3), "stale_version"),  # 5 - 3 > S=1
+        (submission(completions=[completion([5, EOS])]), "bad_group_size"),
+        (submission(completions=[completion([5, EOS]), CompletionMsg(token_ids=[5, EOS], logprobs=[-1.0], finish_reason="stop")]), "bad_shape"),
+        (submission(completions=[completion([5, EOS]), completion([5, 6, 7, 8, EOS])]), "too_long"),
+        (submission(completions=[completion([5, EOS]), completion([99, EOS])]), "bad_token"),
+        (submission(completions=[completion([5, EOS]), CompletionMsg(token_ids=[5, EOS], logprobs=[0.5, -1], finish_reason="stop")]), "bad_logprob"),
+        (submission(completions=[completion([5, EOS]), completion([5, 6], finish="stop")]), "bad_finish"),
+        (submission(completions=[completion([5, EOS]), completion([5, EOS], finish="length")]), "bad_finish"),
+        (submission(completions=[completion([5, EOS]), completion([EOS, 5, EOS])]), "bad_finish"),
+    ],
+)
+def test_group_content_rules(sub: GroupSubmission, reason: str):
+    assert check_group(sub, LIMITS, current_version=5, staleness=1) == reason
+
+
+def test_group_within_window_passes_and_unpublished_versions_are_future():
+    assert check_group(submission(version=4), LIMITS, current_version=5, staleness=1) is None
+    assert check_group(submission(version=5), LIMITS, current_version=5, staleness=1, newest_published=4) == "future_version"
+
+
+def _intake(staleness: int = 1, prompts_per_step: int = 2) -> Intake:
+    tokenizer = build_char_tokenizer()
+    train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4)
+    return Intake(
+        get_task("arith", seed=0), train, LeaseConfig(max_prompts=2),
+        encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        limits=LIMITS, version=5,
+    )
+
+
+def _answer_ids(text: str) -> list[int]:
+    tokenizer = build_char_tokenizer()
+    return tokenizer(text)["input_ids"] + [EOS]
+
+
+def test_intake_rewards_on_the_learner_and_refuses_foreign_groups():
+    intake = _intake()
+    lease = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A))
+    assert isinstance(lease, Lease) and len(lease.prompts) == 2
+    prompt = lease.prompts[0]
+    a, b = prompt.text.rstrip("=").split("+")
+    right, wrong = _answer_ids(str(int(a) + int(b))), _answer_ids(str(int(a) + int(b) + 1))
+    group = GroupSubmission(lease_id=lease.lease_id, prompt_id=prompt.prompt_id, version=5, generation_s=0.1,
+                            completions=[completion(right), completion(wrong)])
+    assert intake.accept(group, B) == "foreign_lease"
+    assert intake.accept(group, A) is None
+    assert intake.accept(group, A) == "duplicate"
+    (buffered,) = intake.buffer.take(5, 1)
+    assert buffered.rewards == [1.0, 0.0] and buffered.peer_id == A
+    assert intake.refused == {"foreign_lease": 1, "duplicate": 1} and intake.delivered[A] == 1
+
+
+def test_intake_budget_caps_work_in_flight_and_tells_stale_holders_to_fetch():
+    intake = _intake(staleness=1, prompts_per_step=2)  # capacity (S+1)R = 4 groups
+    got = [asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)) for _ in range(3)]
+    assert [type(r) for r in got] == [Lease, Lease, LeaseWait]
+    intake.published_version = 6
+    intake.version = 6
+    reply = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=4), B))
+    assert isinstance(reply, LeaseWait) and "fetch v6" in reply.reason
+
+
+def test_undecodable_text_is_refused_but_a_cut_multibyte_tail_is_not():
+    intake = _intake()
+    intake.decode = lambda ids: "7\ufffd" if ids[0] == 5 else "7"
+    lease = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A))
+    pid = lease.prompts[0].prompt_id
+    bad = GroupSubmission(lease_id=lease.lease_id, prompt_id=pid, version=5, generation_s=0.1,
+                          completions=[completion([5, EOS]), completion([6, EOS])])
+    assert intake.accept(bad, A) == "undecodable"
+    cut = GroupSubmission(lease_id=lease.lease_id, prompt_id=pid, version=5, generation_s=0.1,
+                          completions=[completion([5, 6, 7, 8], finish="length"), completion([6, EOS])])
+    assert intake.accept(cut, A) is None
