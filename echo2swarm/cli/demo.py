@@ -12,11 +12,11 @@ import click
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where models, keys, state, logs, metrics and reward.png go. Default: runs/demo-<time>.")
 @click.option("--rollout-peers", type=click.IntRange(1, 16), default=2, show_default=True)
-@click.option("--steps", type=click.IntRange(1), default=120, show_default=True, help="GRPO steps.")
+@click.option("--steps", type=click.IntRange(1), default=700, show_default=True, help="GRPO steps.")
 @click.option("--staleness", type=click.IntRange(0), default=1, show_default=True,
               help="S: rollouts of version x may train step t only if t - x <= S (0 = on-policy).")
 @click.option("--engine", type=click.Choice(["auto", "transformers"]), default="auto", show_default=True)
-@click.option("--warmup-steps", type=click.IntRange(0), default=500, show_default=True,
+@click.option("--warmup-steps", type=click.IntRange(0), default=600, show_default=True,
               help="Supervised warm-up steps before RL (RL post-training starts from a supervised model).")
 @click.option("--reward-target", type=float, default=None, help="Stop once the 10-step mean reward reaches this.")
 @click.option("--swarm", default="demo", show_default=True)

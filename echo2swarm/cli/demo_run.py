@@ -25,10 +25,10 @@ class DemoOptions:
     run_dir: Path
     rollout_peers: int = 2
     swarm: str = "demo"
-    steps: int = 120
+    steps: int = 700
     staleness: int = 1
     engine: str = "auto"
-    warmup_steps: int = 500
+    warmup_steps: int = 600
     prompts_per_step: int = 16
     group_size: int = 8
     reward_target: float | None = None

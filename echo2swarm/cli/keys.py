@@ -31,8 +31,8 @@ def keygen(path: Path, force: bool) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Initialisation seed.")
 @click.option("--task", default=None, help="Give the model a supervised warm-up on this task (e.g. arith).")
-@click.option("--warmup-steps", type=click.IntRange(0), default=500, show_default=True,
-              help="Supervised warm-up steps with --task (~20 s per 500 on 2 cores).")
+@click.option("--warmup-steps", type=click.IntRange(0), default=700, show_default=True,
+              help="Supervised warm-up steps with --task (~27 s for 700 on 2 cores).")
 def tiny_model(out_dir: Path, seed: int, task: str | None, warmup_steps: int) -> None:
     """Write a tiny Qwen3-style model with a character tokenizer to OUT_DIR (a Hugging Face model dir).
 

@@ -163,7 +163,8 @@ class GRPOTrainer:
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-        tied = {name for name, _ in self.model.named_parameters()} - set(unique_state_dict(self.model))
+        # Names sharing storage with another (lm_head tied to the embeddings) are not in saved weights.
+        tied = set(self.model.state_dict()) - set(unique_state_dict(self.model))
         if unexpected or set(missing) - tied:
             raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
 
