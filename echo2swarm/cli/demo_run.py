@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import DaemonProcess
 
 
@@ -68,18 +68,6 @@ def _accuracy(model_dir: Path) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return greedy_accuracy(model, tokenizer, get_task("arith", seed=0), max_new_tokens=4)
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now
-            break
-    return out
 
 
 def plot_reward(records: list[dict[str, Any]], out: Path) -> Path:
@@ -182,7 +170,7 @@ def _follow(console: Console, learner: DaemonProcess, metrics: Path, opts: DemoO
         while learner.running():
             if time.monotonic() - started > opts.timeout:
                 raise TimeoutError(f"training did not finish within {opts.timeout:.0f} s")
-            records = _read_metrics(metrics)
+            records = read_metrics(metrics)
             if records:
                 last = records[-10:]
                 reward = sum(r["reward_mean"] for r in last) / len(last)
@@ -190,7 +178,7 @@ def _follow(console: Console, learner: DaemonProcess, metrics: Path, opts: DemoO
                     f"reward {reward:.2f}  version {records[-1]['published_version']}  "
                     f"bubble {records[-1]['bubble_ratio_total']:.2f}"))
             time.sleep(0.5)
-        records = _read_metrics(metrics)
+        records = read_metrics(metrics)
         if records:
             progress.update(task, completed=records[-1]["step"])
     return records

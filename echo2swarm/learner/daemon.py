@@ -121,14 +121,30 @@ class LearnerService:
         return head.model_dump_json() if head else None
 
     # -- training loop -------------------------------------------------------------------------
+    async def _revoke_departed(self) -> None:
+        """Re-issue at once the leases of peers whose cards vanished (dead), rather than at their timeout."""
+        assert self.intake is not None
+        holders = {lease.peer_id for lease in self.intake.leases.open.values()}
+        if not holders:
+            return
+        cards, _ = await self.ctx.overlay.get_cards()
+        alive = {c.peer_id for c in cards if c.state != "stopping"}
+        for peer in holders - alive:
+            n = self.intake.leases.drop_peer(peer)
+            logger.info("peer %s left the swarm: re-issuing its %d open prompts", peer[-8:], n)
+
     async def _wait_for_batch(self, stop: asyncio.Event) -> bool:
         assert self.intake is not None
         needed = self.train.prompts_per_step
+        last_check = time.monotonic()
         while not self.intake.buffer.ready(self.version, needed):
             if stop.is_set():
                 return False
             self.intake.wake.clear()
             self.intake.leases.expire(self.intake.clock())
+            if time.monotonic() - last_check > self.config.overlay.announce_period_s:
+                last_check = time.monotonic()
+                await self._revoke_departed()
             await wait_any(self.intake.wake, stop, timeout=0.5)
         return True
 

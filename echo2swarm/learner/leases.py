@@ -81,27 +81,22 @@ class LeaseManager:
         self.stats["prompts_issued"] += n
         return lease
 
-    def expire(self, now: float) -> int:
-        """Re-queue the open prompts of every lease past its deadline. Returns how many prompts."""
-        expired = [lid for lid, lease in self.open.items() if lease.deadline <= now]
+    def _revoke(self, lease_ids: list[str], counter: str) -> int:
         requeued = 0
-        for lid in expired:
+        for lid in lease_ids:
             lease = self.open.pop(lid)
             self.requeue.extend(sorted(lease.prompts.values()))
             requeued += len(lease.prompts)
-            self.stats["leases_expired"] += 1
+            self.stats[counter] += 1
         return requeued
+
+    def expire(self, now: float) -> int:
+        """Re-queue the open prompts of every lease past its deadline. Returns how many prompts."""
+        return self._revoke([lid for lid, lease in self.open.items() if lease.deadline <= now], "leases_expired")
 
     def drop_peer(self, peer_id: str) -> int:
         """Re-queue at once everything a peer that left the swarm was working on."""
-        gone = [lid for lid, lease in self.open.items() if lease.peer_id == peer_id]
-        requeued = 0
-        for lid in gone:
-            lease = self.open.pop(lid)
-            self.requeue.extend(sorted(lease.prompts.values()))
-            requeued += len(lease.prompts)
-            self.stats["leases_revoked"] += 1
-        return requeued
+        return self._revoke([lid for lid, lease in self.open.items() if lease.peer_id == peer_id], "leases_revoked")
 
     def check(self, peer_id: str, lease_id: str, prompt_id: str) -> str | None:
         lease = self.open.get(lease_id)

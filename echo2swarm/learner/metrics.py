@@ -41,10 +41,15 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete record; safe to call while the learner is still writing (a partial last line is skipped)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
     records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                records.append(json.loads(line))
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
     return records

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import DaemonProcess, child_pids, pid_alive, wait_until
 
 ANNOUNCE_PERIOD_S = 1.0
@@ -124,7 +125,7 @@ def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "peers_json", "run_cli", "wait_until", "time"]
+__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
 
 
 def learner_toml(path: Path, model: Path, key: Path, **train: Any) -> Path:
@@ -136,15 +137,3 @@ def learner_toml(path: Path, model: Path, key: Path, **train: Any) -> Path:
     lines += ["[leases]", "max_prompts = 4", "timeout_s = 5.0"]
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
