@@ -66,6 +66,9 @@ class PolicyFollower:
         self.arrival_s: dict[int, float] = {}
         self._logged: set[tuple[str, int, str]] = set()
         self._offered: HeadRecord | None = None
+        self._last_dht_poll = float("-inf")
+        # Peer id of the learner whose trusted head we follow: the only learner a rollout peer works for.
+        self.publisher: str | None = None
         self._wake = asyncio.Event()
         self._installed = asyncio.Condition()
 
@@ -125,11 +128,17 @@ class PolicyFollower:
 
     async def step(self) -> int | None:
         """Look once; fetch and install a newer version if one is announced. Returns the version installed."""
+        heads: list[HeadRecord] = []
         if self._offered is not None:
             heads, self._offered = [self._offered], None
-        else:
-            heads, _ = await self.overlay.get_heads()
+        # The DHT is read at least every head_poll_s even while lease replies offer heads, so
+        # heads from other keys are still seen (and refused) and a restarted learner is found.
+        if not heads or time.monotonic() - self._last_dht_poll >= self.fetch_config.head_poll_s:
+            self._last_dht_poll = time.monotonic()
+            heads += (await self.overlay.get_heads())[0]
         head = self.trust.select(heads, self.swarm)
+        if head is not None:
+            self.publisher = head.publisher
         if self.trust.key is not None:
             for other in heads:
                 if other.public_key != self.trust.key.text:

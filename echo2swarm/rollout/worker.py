@@ -1,6 +1,6 @@
 """The rollout peer's work loop: lease prompts from the learner, generate, stream the groups back.
 
-    find learner (DHT cards) ─► rpc_lease ─► [offer the lease's head to the follower]
+    learner = publisher of the trusted head ─► rpc_lease ─► [offer the lease's head to the follower]
         ─► wait until the engine holds ≥ min_version ─► engine.generate (thread) ─► rpc_submit
 
 Double-buffering: the follower fetches the next version while the engine keeps generating with
@@ -47,7 +47,6 @@ class RolloutWorker:
         self._lock = threading.Lock()
         self.stats: Counter[str] = Counter()
         self.rollouts_per_s: float | None = None  # EWMA of measured throughput
-        self._learner: tuple[str, float] | None = None
         self._last_error = ""
 
     # -- weights ------------------------------------------------------------------------------
@@ -68,19 +67,6 @@ class RolloutWorker:
             self.engine_version = version
         self.swap_s = time.perf_counter() - started
 
-    # -- learner discovery ---------------------------------------------------------------------
-    async def _learner_peer(self) -> str | None:
-        now = time.monotonic()
-        if self._learner is not None and now - self._learner[1] < 10.0:
-            return self._learner[0]
-        cards, _ = await self.ctx.overlay.get_cards()
-        learners = [c for c in cards if c.role == "learner" and c.state != "stopping"]
-        if not learners:
-            return None
-        best = max(learners, key=lambda c: (c.version or 0, c.updated_ms))
-        self._learner = (best.peer_id, now)
-        return best.peer_id
-
     def _note_error(self, message: str) -> None:
         self.stats["rpc_errors"] += 1
         if message != self._last_error:  # one line per distinct problem, not per retry
@@ -92,7 +78,9 @@ class RolloutWorker:
         swarm = self.config.overlay.swarm
         cfg = self.config.worker
         while not stop.is_set():
-            learner = await self._learner_peer()
+            # Only the learner whose signed head we trust gets our work; a card claiming to be a
+            # learner is not enough (anyone can announce one).
+            learner = self.follower.publisher
             if learner is None:
                 await _sleep(stop, cfg.idle_retry_s)
                 continue
@@ -103,7 +91,6 @@ class RolloutWorker:
                     (Lease, LeaseWait), cfg.rpc_timeout_s,
                 )
             except RpcError as e:
-                self._learner = None
                 self._note_error(f"lease request failed: {e}")
                 await _sleep(stop, cfg.idle_retry_s)
                 continue

@@ -85,9 +85,12 @@ host = "127.0.0.1"
         info = rollout.wait_ready(90)
         wait_until(lambda: (http_json(info["chunk_url"] + "/v1/info")["version"] or 0) >= 1, 60,
                    what="the rollout peer to hold a version")
-        peers = json.loads(run_cli("peers", "--initial-peers", address, "--swarm", "readme", "--json").stdout)
-        assert sorted((p["role"], p["price"]) for p in peers) == [("learner", 0.0), ("rollout", 0.3)]
-        assert all(p["version"] >= 1 for p in peers)
+        def both_listed_with_versions() -> list | None:
+            peers = json.loads(run_cli("peers", "--initial-peers", address, "--swarm", "readme", "--json").stdout)
+            ok = sorted((p["role"], p["price"]) for p in peers) == [("learner", 0.0), ("rollout", 0.3)]
+            return peers if ok and all((p["version"] or 0) >= 1 for p in peers) else None
+
+        wait_until(both_listed_with_versions, 30, interval=0.5, what="peers --json to list both with versions")
         # The two terminals train: the learner runs its steps on the rollout peer's groups and exits.
         learner.wait(240)
         assert learner.returncode == 0, (tmp_path / "learner.out").read_text()[-3000:]

@@ -20,13 +20,15 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
 def _synced(swarm: LocalSwarm, model: Path, key: Path) -> tuple:
+    """A learner and a relay that follows it. A relay generates nothing, so the learner stays at v1
+    and every version change in these tests comes from what the test does."""
     swarm.bootstrap()
     learner = swarm.learner(model, key)
-    rollout = swarm.rollout("rollout", trust=Path(f"{key}.pub"))
+    relay = swarm.start("relay", "--role", "relay", "--trust", f"{key}.pub")
     swarm.ready(learner)
-    swarm.ready(rollout)
-    wait_until(lambda: http_json(rollout.info["chunk_url"] + "/v1/info")["version"] == 1, 30, what="rollout at v1")
-    return learner, rollout
+    swarm.ready(relay)
+    wait_until(lambda: http_json(relay.info["chunk_url"] + "/v1/info")["version"] == 1, 30, what="relay at v1")
+    return learner, relay
 
 
 async def _hostile_peer(bootstrap: str, swarm: str, learner_peer_id: str) -> dict:
@@ -73,7 +75,7 @@ def _http_status(url: str, method: str = "GET", data: bytes | None = None, heade
 def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
-    learner, rollout = _synced(local_swarm, tiny_model_dir, policy_key)
+    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
     assert local_swarm.bootstrap_addr
     outcome = asyncio.run(_hostile_peer(local_swarm.bootstrap_addr, local_swarm.swarm, learner.info["peer_id"]))
     assert len(outcome.get("rpc_refused", [])) == 2, outcome
@@ -107,8 +109,8 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
     # Both daemons are alive and still serve the policy and their cards.
     info = http_json(url + "/v1/info")
     assert info["version"] == 1 and info["stats"]["server"]["refused_400"] >= 2
-    assert http_json(rollout.info["chunk_url"] + "/v1/info")["version"] == 1
-    assert learner.running() and rollout.running()
+    assert http_json(relay.info["chunk_url"] + "/v1/info")["version"] == 1
+    assert learner.running() and relay.running()
 
 
 def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
@@ -116,31 +118,31 @@ def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
 ):
     from echo2swarm.policy.signing import PolicyKey
 
-    learner, rollout = _synced(local_swarm, tiny_model_dir, policy_key)
+    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
     rogue_key = tmp_path / "rogue.key"
     PolicyKey.generate().save(rogue_key)
     rogue = local_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
     local_swarm.ready(rogue)
-    info_url = rollout.info["chunk_url"] + "/v1/info"
+    info_url = relay.info["chunk_url"] + "/v1/info"
     wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 20,
-               what="the rollout peer to refuse the rogue head")
+               what="the relay to refuse the rogue head")
     info = http_json(info_url)
     assert info["version"] == 1
     assert info["stats"]["trusted_key"] == Path(f"{policy_key}.pub").read_text().strip()
-    assert "refused policy head" in rollout.log_path.read_text()
-    assert rollout.running()
+    assert "refused policy head" in relay.log_path.read_text()
+    assert relay.running()
 
 
 def test_restarted_learner_goes_up_and_a_lower_version_is_refused(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
-    learner, rollout = _synced(local_swarm, tiny_model_dir, policy_key)
-    info_url = rollout.info["chunk_url"] + "/v1/info"
+    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
+    info_url = relay.info["chunk_url"] + "/v1/info"
     learner.terminate()
     # Same state dir: the learner resumes with a strictly higher version; the peer follows without restarting.
     again = local_swarm.learner(tiny_model_dir, policy_key, name="learner", state_dir=learner.state_dir)
     local_swarm.ready(again)
-    wait_until(lambda: http_json(info_url)["version"] == 2, 30, what="rollout peer at v2")
+    wait_until(lambda: http_json(info_url)["version"] == 2, 30, what="the relay at v2")
     again.terminate()
     # A learner that lost its state publishes v1 again: refused as stale, the peer keeps v2 and keeps serving.
     amnesiac = local_swarm.learner(tiny_model_dir, policy_key, name="amnesiac")
@@ -148,4 +150,4 @@ def test_restarted_learner_goes_up_and_a_lower_version_is_refused(
     wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("stale_version", 0) >= 1, 20,
                what="the stale head to be refused")
     assert http_json(info_url)["version"] == 2
-    assert rollout.running()
+    assert relay.running()

@@ -20,14 +20,20 @@ def _metrics(learner) -> Path:
 def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
+    from echo2swarm.policy.signing import PolicyKey
+
     staleness = 1
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness)
     local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
+    # A second learner with another key in the same swarm: pinned rollout peers must not work for it.
+    rogue_key = tmp_path / "rogue.key"
+    PolicyKey.generate().save(rogue_key)
+    rogue = local_swarm.start("rogue", "--config", str(learner_toml(tmp_path / "rogue.toml", tiny_model_dir, rogue_key)))
     trust = Path(f"{policy_key}.pub")
     survivor = local_swarm.rollout("rollout-1", trust=trust)
     victim = local_swarm.rollout("rollout-2", trust=trust, env=PACED)  # slow: almost always mid-lease
-    for d in (learner, survivor, victim):
+    for d in (learner, rogue, survivor, victim):
         local_swarm.ready(d)
     wait_until(lambda: len(read_metrics(_metrics(learner))) >= 8, 120, interval=0.2, what="8 training steps")
     os.kill(victim.pid, signal.SIGKILL)
@@ -51,6 +57,8 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     delivered = end["delivered"]
     assert delivered.get(survivor.info["peer_id"], 0) > 0 and delivered.get(victim.info["peer_id"], 0) > 0
     assert (learner.state_dir / "run" / "final" / "config.json").exists()
+    rogue_stats = http_json(rogue.info["chunk_url"] + "/v1/info")["stats"]
+    assert rogue_stats["accepted"] == 0 and rogue_stats["steps_done"] == 0
 
 
 def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
