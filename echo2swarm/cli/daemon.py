@@ -106,4 +106,12 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     except ValueError as e:
         fail(str(e))
     setup_logging(config.log_level)
-    raise SystemExit(run_daemon(config))
+    code = run_daemon(config)
+    # Exit without joining worker threads still busy with work nobody needs any more (see run_daemon).
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -56,6 +56,7 @@ class LearnerService:
         self.trainer: Any = None
         self.metrics: MetricsLog | None = None
         self.recent_rewards: deque[float] = deque(maxlen=10)
+        self.extra_files: dict[str, Path | bytes] = {}  # config and tokenizer files published with each version
         self.wait_s = self.busy_s = 0.0
 
     # -- start ---------------------------------------------------------------------------------
@@ -78,8 +79,9 @@ class LearnerService:
             logger.info("resuming from %s: %d steps done", checkpoint.path, checkpoint.step)
         # Strictly above anything published before, even versions published after the checkpoint.
         self.version = max(checkpoint.version if checkpoint else 1, (self.ctx.versions.latest() or 0) + 1)
-        self.extra_files = {p.name: p for p in model_files(model_dir) if not p.name.startswith("model.safetensors")
-                            and p.suffix != ".safetensors"}
+        # Weights come from the trainer; a sharded model's index no longer applies to the single file we publish.
+        self.extra_files = {p.name: p for p in model_files(model_dir)
+                            if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}
         await self._publish()
         self.metrics = MetricsLog(self.run_dir)
         self.intake = Intake(

@@ -290,4 +290,21 @@ def preflight(config: Any) -> None:
 
 
 def run_daemon(config: Any) -> int:
-    return asyncio.run(Daemon(config).run())
+    """Run a daemon to completion and return its exit code.
+
+    Not `asyncio.run`: on the way out it waits for every worker thread, so a SIGTERM that lands
+    during a multi-second engine load or generation would hold the process past its stop budget.
+    Our shutdown is complete when `Daemon.run` returns (p2pd stopped, every file written
+    atomically), so the executor is closed without waiting; the CLI then exits the process.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        code = loop.run_until_complete(Daemon(config).run())
+        leftovers = [t for t in asyncio.all_tasks(loop) if not t.done()]  # hivemind's background tasks
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers, timeout=1.0))
+        return code
+    finally:
+        loop.close()  # shuts the default executor down with wait=False

@@ -48,7 +48,7 @@ state_dir = "{tmp_path}/learner"
 model = "{tmp_path}/model"
 policy_key = "{tmp_path}/learner.key"
 [train]
-steps = 15
+steps = 30
 prompts_per_step = 4
 group_size = 4
 max_new_tokens = 4
@@ -81,12 +81,16 @@ host = "127.0.0.1"
         rollout = DaemonProcess("rollout", [
             "--role", "rollout", "--price", "0.3", "--initial-peers", address, "--swarm", "readme",
             "--trust", f"{tmp_path}/learner.key.pub", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
-        ], tmp_path / "rollout").start()
+        ], tmp_path / "rollout", env={"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40"}).start()  # paced: ~0.4 s/step
         info = rollout.wait_ready(90)
         wait_until(lambda: (http_json(info["chunk_url"] + "/v1/info")["version"] or 0) >= 1, 60,
                    what="the rollout peer to hold a version")
         def both_listed_with_versions() -> list | None:
-            peers = json.loads(run_cli("peers", "--initial-peers", address, "--swarm", "readme", "--json").stdout)
+            listing = run_cli("peers", "--initial-peers", address, "--swarm", "readme", "--json")
+            assert learner.poll() is None, "the learner finished before it was listed"
+            if listing.returncode != 0:
+                return None
+            peers = json.loads(listing.stdout)
             ok = sorted((p["role"], p["price"]) for p in peers) == [("learner", 0.0), ("rollout", 0.3)]
             return peers if ok and all((p["version"] or 0) >= 1 for p in peers) else None
 
@@ -95,7 +99,7 @@ host = "127.0.0.1"
         learner.wait(240)
         assert learner.returncode == 0, (tmp_path / "learner.out").read_text()[-3000:]
         records = read_metrics(tmp_path / "learner" / "run" / "metrics.jsonl")
-        assert [r["step"] for r in records] == list(range(1, 16))
+        assert [r["step"] for r in records] == list(range(1, 31))
         assert set(records[-1]["delivered"]) == {info["peer_id"]}
     finally:
         if rollout is not None:
