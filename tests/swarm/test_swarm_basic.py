@@ -20,8 +20,11 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 def test_swarm_syncs_lists_peers_and_forgets_the_dead(local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path):
     local_swarm.bootstrap()
     learner = local_swarm.learner(tiny_model_dir, policy_key)
-    r1 = local_swarm.rollout("rollout-1", price=0.3, trust=Path(f"{policy_key}.pub"))
-    r2 = local_swarm.rollout("rollout-2", price=0.45, trust=Path(f"{policy_key}.pub"))
+    # Paced to a crawl: the learner cannot finish a step, so v1 stays the current version while this
+    # test checks how it spread (training and newer versions are test_training's business).
+    slow = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "0.5"}
+    r1 = local_swarm.rollout("rollout-1", price=0.3, trust=Path(f"{policy_key}.pub"), env=slow)
+    r2 = local_swarm.rollout("rollout-2", price=0.45, trust=Path(f"{policy_key}.pub"), env=slow)
     for d in (learner, r1, r2):
         local_swarm.ready(d)
     addr = local_swarm.bootstrap_addr
