@@ -9,11 +9,9 @@ learner killed mid-write resumes from the previous one.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from echo2swarm.policy.store import atomic_dir
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -41,8 +40,7 @@ def save_checkpoint(run_dir: Path, *, step: int, version: int, weights: bytes, o
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:08d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    try:
+    with atomic_dir(final) as tmp:
         (tmp / "model.safetensors").write_bytes(weights)
         torch.save({
             "step": step,
@@ -52,12 +50,6 @@ def save_checkpoint(run_dir: Path, *, step: int, version: int, weights: bytes, o
             "python_rng": random.getstate(),
             "extra": extra,
         }, tmp / "state.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in sorted(_steps(root))[:-keep]:
         shutil.rmtree(root / f"step-{old:08d}", ignore_errors=True)
     return final

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Iterator
 import os
 import re
 import shutil
@@ -25,6 +26,23 @@ from echo2swarm.runtime.logging import get_logger
 logger = get_logger(__name__)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_DIR = re.compile(r"v(\d{8,})")
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path, prefix: str = ".tmp-") -> Iterator[Path]:
+    """Yield a temp dir beside `final`; on success it replaces `final` in one rename, on error it is removed.
+
+    Readers see either the old directory or the complete new one, never a half-written one.
+    """
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=prefix))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 class ChunkHashError(ValueError):
@@ -117,8 +135,7 @@ class VersionStore:
         final = self.dir(manifest.version)
         if final.is_dir() and self.manifest_path(manifest.version).is_file():
             return final
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-v{manifest.version}-"))
-        try:
+        with atomic_dir(final, prefix=f".tmp-v{manifest.version}-") as tmp:
             for entry in manifest.files:
                 digest = hashlib.sha256()
                 with open(tmp / entry.name, "wb") as out:
@@ -128,12 +145,6 @@ class VersionStore:
                         out.write(data)
                 if digest.hexdigest() != entry.sha256:
                     raise ChunkHashError(f"{entry.name} assembled from verified chunks does not match its sha256")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         # The manifest goes last: a version counts as installed only once it is there.
         _atomic_write(self.manifest_path(manifest.version), envelope)
         return final
