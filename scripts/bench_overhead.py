@@ -68,7 +68,7 @@ def single_process(model_dir: Path, args: argparse.Namespace) -> dict:
 
 def swarm(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     from echo2swarm.policy.signing import PolicyKey
-    from echo2swarm.runtime.processes import DaemonProcess
+    from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
     key = run_dir / "learner.key"
     PolicyKey.generate().save(key)
@@ -80,8 +80,7 @@ def swarm(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> dict:
         f"max_new_tokens = {args.max_new_tokens}\nthreads = {args.swarm_threads}\ncheckpoint_every = 1000\n"
         "[leases]\nmax_prompts = 8\n"
     )
-    common = ["--swarm", "bench", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
-              "--announce-period", "1", "--record-ttl", "4", "--log-level", "WARNING"]
+    common = loopback_args("bench", "WARNING")
     env = {"ECHO2SWARM_ENGINE__THREADS": str(args.swarm_threads)}
     daemons = []
     try:

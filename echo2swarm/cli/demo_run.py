@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from echo2swarm.learner.metrics import read_metrics
-from echo2swarm.runtime.processes import DaemonProcess
+from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
 
 @dataclass
@@ -34,14 +34,6 @@ class DemoOptions:
     reward_target: float | None = None
     timeout: float = 900.0
     threads: int = 1
-
-
-def _local_args(swarm: str) -> list[str]:
-    # Short periods so a laptop swarm reacts within seconds; public swarms keep the defaults.
-    return [
-        "--swarm", swarm, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
-        "--announce-period", "1", "--record-ttl", "4", "--log-level", "INFO",
-    ]
 
 
 def _learner_toml(opts: DemoOptions, model_dir: Path, key_path: Path) -> Path:
@@ -121,7 +113,7 @@ def run_demo(opts: DemoOptions) -> int:
     if not key_path.exists():
         PolicyKey.generate().save(key_path)
 
-    common = _local_args(opts.swarm)
+    common = loopback_args(opts.swarm)
     daemons: list[DaemonProcess] = []
     started = time.monotonic()
     try:

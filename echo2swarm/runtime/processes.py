@@ -19,6 +19,22 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+LOCAL_ANNOUNCE_PERIOD_S = 1.0
+LOCAL_RECORD_TTL_S = 4.0
+
+
+def loopback_args(swarm: str, log_level: str = "INFO") -> list[str]:
+    """Daemon flags for a swarm confined to 127.0.0.1 (demo, tests, benchmarks).
+
+    Short announce period and TTL so a laptop swarm reacts within seconds; public swarms keep the defaults.
+    """
+    return [
+        "--swarm", swarm, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
+        "--announce-period", str(LOCAL_ANNOUNCE_PERIOD_S), "--record-ttl", str(LOCAL_RECORD_TTL_S),
+        "--log-level", log_level,
+    ]
+
+
 class ProcessFailed(RuntimeError):
     pass
 

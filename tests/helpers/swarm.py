@@ -13,17 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.learner.metrics import read_metrics
-from echo2swarm.runtime.processes import DaemonProcess, child_pids, pid_alive, wait_until
+from echo2swarm.runtime.processes import (
+    LOCAL_RECORD_TTL_S,
+    DaemonProcess,
+    child_pids,
+    loopback_args,
+    pid_alive,
+    wait_until,
+)
 
-ANNOUNCE_PERIOD_S = 1.0
-RECORD_TTL_S = 4.0
-
-
-def local_args(swarm: str) -> list[str]:
-    return [
-        "--swarm", swarm, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--chunk-host", "127.0.0.1",
-        "--announce-period", str(ANNOUNCE_PERIOD_S), "--record-ttl", str(RECORD_TTL_S), "--log-level", "DEBUG",
-    ]
+RECORD_TTL_S = LOCAL_RECORD_TTL_S
 
 
 def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -46,7 +45,7 @@ class LocalSwarm:
     def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,
               env: dict[str, str] | None = None) -> DaemonProcess:
         extra = ["--initial-peers", self.bootstrap_addr] if join and self.bootstrap_addr else []
-        d = DaemonProcess(name, [*local_args(self.swarm), *extra, *args], state_dir or self.root / name, env=env)
+        d = DaemonProcess(name, [*loopback_args(self.swarm, "DEBUG"), *extra, *args], state_dir or self.root / name, env=env)
         self.daemons.append(d.start())
         return d
 
