@@ -9,6 +9,7 @@ from echo2swarm.cli.daemon import daemon
 from echo2swarm.cli.demo import demo
 from echo2swarm.cli.keys import keygen, tiny_model
 from echo2swarm.cli.peers import peers
+from echo2swarm.cli.plan import plan
 
 HELP = """echo2swarm: RL post-training of LLMs on a peer-to-peer swarm of cheap GPUs.
 
@@ -16,6 +17,7 @@ HELP = """echo2swarm: RL post-training of LLMs on a peer-to-peer swarm of cheap 
 Start a swarm on one laptop and watch it:      echo2swarm demo
 Join a swarm as a rollout peer:                echo2swarm daemon --role rollout --price 0.3 --initial-peers /ip4/.../p2p/...
 See who is in a swarm:                         echo2swarm peers --initial-peers /ip4/.../p2p/...
+Which peers to activate, at what cost:         echo2swarm plan --initial-peers /ip4/.../p2p/...
 """
 
 
@@ -27,6 +29,7 @@ def cli() -> None:
 
 cli.add_command(daemon)
 cli.add_command(peers)
+cli.add_command(plan)
 cli.add_command(keygen)
 cli.add_command(tiny_model)
 cli.add_command(demo)
