@@ -31,6 +31,12 @@ from echo2swarm.cli._common import ROLES, fail, split_addrs
 @click.option("--model", type=click.Path(path_type=Path), help="learner: Hugging Face model directory to publish.")
 @click.option("--policy-key", type=click.Path(dir_okay=False, path_type=Path), help="learner: key from `echo2swarm keygen`.")
 @click.option("--chunk-size", metavar="SIZE", help="learner: bytes per chunk, e.g. 8MiB.")
+@click.option("--upload-limit", metavar="RATE",
+              help="Cap this peer's total upload, bytes/s: e.g. 16MiB (or 16MiB/s). Default: unlimited.")
+@click.option("--chunk-server/--no-chunk-server", default=None,
+              help="Serve chunks over HTTP (default on); off: only over libp2p streams (peers behind NAT).")
+@click.option("--peer-assist/--no-peer-assist", default=None,
+              help="rollout/relay: fetch versions from other peers too (default on); off: from the learner only.")
 @click.option("--chunk-host", help="Interface for the HTTP chunk server. Default: 0.0.0.0.")
 @click.option("--chunk-port", type=int, help="Port for the HTTP chunk server. Default: 0 (any free port).")
 @click.option("--chunk-url", help="URL peers should use for our chunk server, if not derivable (NAT, proxies).")
@@ -65,12 +71,15 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
         "overlay.record_ttl_s": flags["record_ttl"],
         "overlay.announce_period_s": flags["announce_period"],
         "overlay.bootstrap_timeout_s": flags["bootstrap_timeout"],
+        "upload_limit": flags["upload_limit"],
+        "chunk_server.enabled": flags["chunk_server"],
         "chunk_server.host": flags["chunk_host"],
         "chunk_server.port": flags["chunk_port"],
         "chunk_server.public_url": flags["chunk_url"],
     }
     role_flags = {
         "trust": ("trust", ("rollout", "relay")),
+        "peer_assist": ("fetch.peer_assist", ("rollout", "relay")),
         "model": ("publish.model", ("learner",)),
         "policy_key": ("publish.policy_key", ("learner",)),
         "chunk_size": ("publish.chunk_size", ("learner",)),

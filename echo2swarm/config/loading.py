@@ -26,6 +26,9 @@ _ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG", "ECHO2SWARM_BIN"}
 # Where a user sets each field on the command line, so errors can name the flag to change.
 FLAG_FOR_FIELD = {
     "price": "--price",
+    "upload_limit": "--upload-limit",
+    "chunk_server.enabled": "--chunk-server/--no-chunk-server",
+    "fetch.peer_assist": "--peer-assist/--no-peer-assist",
     "state_dir": "--state-dir",
     "log_level": "--log-level",
     "trust": "--trust",

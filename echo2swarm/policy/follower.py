@@ -1,8 +1,14 @@
 """Follow the learner: watch its signed head in the DHT, fetch newer versions, install them.
 
     DHT heads, or a head offered by the learner's lease reply
-      ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, chunks) ─► VersionStore
-                                                                         └─► on_version(v, dir)
+      ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, plan, chunks) ─► VersionStore
+                                                   │                            └─► on_version(v, dir)
+                                                   └─► InFlight: each verified chunk is re-served at once
+
+Each chunk's route comes from the learner's signed broadcast plan (policy/broadcast.py) and the
+peer cards: plan parent first (held open until it has the chunk), then peers holding the whole
+version, then the learner. Peer cards are re-read while a fetch runs, so holders that finish
+meanwhile take load off the learner.
 
 An offered head goes through exactly the same checks as one read from the DHT; it only saves
 the poll interval, which matters when the learner publishes every fraction of a second.
@@ -26,8 +32,12 @@ import aiohttp
 
 from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PolicyFetcher
-from echo2swarm.policy.manifest import HeadRecord, ManifestError, parse_head, verify_head
+from echo2swarm.overlay.records import PeerCard
+from echo2swarm.policy.broadcast import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
+from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PeerSource, PolicyFetcher, SourceError
+from echo2swarm.policy.manifest import ChunkRef, HeadRecord, ManifestError, parse_head, verify_head
+from echo2swarm.policy.p2p import P2PSource
+from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.policy.trust import TrustAnchor
 from echo2swarm.runtime.aio import wait_any
@@ -48,6 +58,8 @@ class PolicyFollower:
         versions: VersionStore,
         session: aiohttp.ClientSession,
         on_version: OnVersion | None = None,
+        on_state: Callable[[], None] = lambda: None,
+        inflight: InFlight | None = None,
     ):
         self.overlay = overlay
         self.swarm = overlay.config.swarm
@@ -58,12 +70,19 @@ class PolicyFollower:
         self.versions = versions
         self.session = session
         self.on_version = on_version
+        self.on_state = on_state  # the card changed (fetch began or ended): announce it now
+        self.inflight = inflight or InFlight()
+        self.inflight.poke = self.poke
         self.fetcher = PolicyFetcher(fetch, chunks)
         self.held_version: int | None = versions.latest()
         self.ready_version: int | None = None  # installed and handed to on_version
         self.fetching_version: int | None = None
         self.refused: Counter[str] = Counter()
         self.arrival_s: dict[int, float] = {}
+        self._first_seen: dict[int, float] = {}
+        self._cards: list[PeerCard] = []
+        self._sources: dict[str, ChunkSource] = {}
+        self.plan: BroadcastPlan | None = None
         self._logged: set[tuple[str, int, str]] = set()
         self._offered: HeadRecord | None = None
         self._last_dht_poll = float("-inf")
@@ -83,6 +102,11 @@ class PolicyFollower:
             if self._offered is None or head.version > self._offered.version:
                 self._offered = head
             self._wake.set()
+
+    def poke(self) -> None:
+        """Someone asked us for a version newer than ours: look at the DHT now, not at the next poll."""
+        self._last_dht_poll = float("-inf")
+        self._wake.set()
 
     async def wait_for(self, version: int, timeout: float) -> bool:
         """Wait until a version >= `version` is installed; False on timeout."""
@@ -153,26 +177,41 @@ class PolicyFollower:
                 self._refuse(e, head)
             return None
         assert self.trust.key is not None
-        sources = await self.sources(head)
-        if not sources:
-            raise FetchError(f"v{head.version}: no peer serving it is reachable yet")
-        started = time.monotonic()
+        self._first_seen.setdefault(head.version, time.monotonic())
+        await self._refresh_cards()
+        publisher = self._source_for(head.publisher)
+        if publisher is None:
+            raise FetchError(f"v{head.version}: the learner {head.publisher[-8:]} has no reachable card yet")
         self.fetching_version = head.version
+        self.on_state()
+        refresher = asyncio.create_task(self._refresh_while_fetching())
         try:
             try:
-                manifest, envelope = await self.fetcher.fetch_manifest(head, sources, trusted=self.trust.key, swarm=self.swarm)
+                manifest, envelope = await self.fetcher.fetch_manifest(
+                    head, self._manifest_sources(head, publisher), trusted=self.trust.key, swarm=self.swarm
+                )
             except ManifestError as e:
                 self._refuse(e, head)
                 return None
-            fetched = await self.fetcher.fetch_chunks(manifest, sources)
+            self.inflight.begin(manifest, envelope, {r.sha256 for r in manifest.chunk_refs() if self.chunks.has(r.sha256)})
+            self.plan = await self._fetch_plan(head, publisher)
+            fetched = await self.fetcher.fetch_chunks(
+                manifest, lambda i, ref: self._route(head, publisher, i, ref), on_chunk=self.inflight.arrived
+            )
             path = await asyncio.to_thread(self.versions.install, manifest, envelope, self.chunks)
         finally:
+            refresher.cancel()
+            self.inflight.end()
             self.fetching_version = None
         self.held_version = manifest.version
-        self.arrival_s[manifest.version] = time.monotonic() - started
+        self.arrival_s[manifest.version] = time.monotonic() - self._first_seen.pop(manifest.version)
+        for old in [v for v in self.arrival_s if v < manifest.version - 16]:
+            del self.arrival_s[old]
         logger.debug(
-            "installed policy v%d (%d files, %d bytes, %d chunks fetched) in %.2f s at %s",
-            manifest.version, len(manifest.files), manifest.total_bytes, fetched, self.arrival_s[manifest.version], path,
+            "installed policy v%d (%d files, %d bytes, %d chunks fetched: %s) in %.2f s at %s",
+            manifest.version, len(manifest.files), manifest.total_bytes, fetched,
+            ", ".join(f"{k} {v >> 10} KiB" for k, v in self.fetcher.bytes_from.most_common()),
+            self.arrival_s[manifest.version], path,
         )
         await asyncio.to_thread(collect_garbage, self.versions, self.chunks, self.store_config.keep_versions)
         try:
@@ -182,12 +221,80 @@ class PolicyFollower:
             self.ready_version = manifest.version
             async with self._installed:
                 self._installed.notify_all()
+            self.on_state()
         return manifest.version
 
-    async def sources(self, head: HeadRecord) -> list[ChunkSource]:
+    # -- sources ---------------------------------------------------------------------------------
+    async def _refresh_cards(self) -> None:
         cards, _ = await self.overlay.get_cards()
-        return [
-            HttpSource(self.session, card.chunk_url, self.fetch_config, name=f"{card.role}:{card.peer_id[-8:]}")
-            for card in cards
-            if card.peer_id == head.publisher and card.chunk_url
-        ]
+        self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
+
+    async def _refresh_while_fetching(self) -> None:
+        while True:
+            await asyncio.sleep(self.fetch_config.head_poll_s)
+            try:
+                await self._refresh_cards()
+            except Exception as e:  # a DHT hiccup must not abort the fetch
+                logger.debug("card refresh failed: %s", e)
+
+    def _source_for(self, peer_id: str) -> ChunkSource | None:
+        card = next((c for c in self._cards if c.peer_id == peer_id), None)
+        if card is None:
+            return self._sources.get(peer_id)
+        source = self._sources.get(peer_id)
+        if source is None:
+            name = f"{card.role}:{peer_id[-8:]}"
+            http = HttpSource(self.session, card.chunk_url, self.fetch_config, name=name, peer_id=peer_id) if card.chunk_url else None
+            p2p = P2PSource(self.overlay, peer_id, list(card.maddrs), self.fetch_config, name=name)
+            source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id)
+        return source
+
+    def _holders(self, version: int) -> list[ChunkSource]:
+        out = []
+        for card in self._cards:
+            if version in card.held or card.version == version:
+                source = self._source_for(card.peer_id)
+                if source is not None:
+                    out.append(source)
+        return out
+
+    def _manifest_sources(self, head: HeadRecord, publisher: ChunkSource) -> list[ChunkSource]:
+        if not self.fetch_config.peer_assist:
+            return [publisher]
+        return [s for s in self._holders(head.version) if s.peer_id != head.publisher] + [publisher]
+
+    async def _fetch_plan(self, head: HeadRecord, publisher: ChunkSource) -> BroadcastPlan | None:
+        if not self.fetch_config.peer_assist:
+            return None
+        assert self.trust.key is not None
+        try:
+            data = await publisher.plan(head.version, MAX_PLAN_BYTES)
+            plan = verify_plan(data, trusted=self.trust.key, swarm=self.swarm, version=head.version, publisher=head.publisher)
+        except SourceError as e:
+            logger.debug("no broadcast plan for v%d (%s): fetching from holders", head.version, e)
+            return None
+        except PlanError as e:
+            self.refused["bad_plan"] += 1
+            logger.warning("broadcast plan for v%d refused: %s", head.version, e)
+            return None
+        return plan
+
+    def _route(self, head: HeadRecord, publisher: ChunkSource, index: int, ref: ChunkRef) -> list[tuple[ChunkSource, float]]:
+        """Where to get chunk `index`: plan parent (may wait for it), holders (rotated), learner last."""
+        if not self.fetch_config.peer_assist:
+            return [(publisher, 0.0)]
+        route: list[tuple[ChunkSource, float]] = []
+        parent = self.plan.parent(self.overlay.peer_id, index) if self.plan is not None else None
+        if parent == head.publisher:
+            route.append((publisher, 0.0))
+        elif parent is not None and (source := self._source_for(parent)) is not None:
+            route.append((source, self.fetch_config.source_wait_s))
+        holders = [s for s in self._holders(head.version) if s.peer_id != head.publisher]
+        if holders:
+            k = index % len(holders)
+            route += [(s, 0.0) for s in holders[k:] + holders[:k]]
+        route.append((publisher, 0.0))
+        unique: dict[str, tuple[ChunkSource, float]] = {}
+        for source, wait in route:
+            unique.setdefault(source.name, (source, wait))
+        return list(unique.values())

@@ -1,29 +1,39 @@
-"""HTTP chunk server: hands out signed manifests and verified chunks to other peers.
+"""Chunk serving: signed manifests, broadcast plans and verified chunks, over HTTP or libp2p.
 
-    GET /v1/info                 -> JSON: peer id, role, swarm, versions held, counters
-    GET /v1/head                 -> the signed head this peer announces (learner), else 404
-    GET /v1/manifest/{version}   -> the signed manifest envelope, byte for byte as the learner made it
-    GET /v1/chunk/{sha256}       -> the chunk's bytes
+    GET /v1/info                       -> JSON: peer id, role, swarm, versions held, counters
+    GET /v1/head                       -> the signed head this peer announces (learner), else 404
+    GET /v1/manifest/{version}         -> the signed manifest envelope, byte for byte as the learner made it
+    GET /v1/plan/{version}             -> the learner's signed broadcast plan for that version, else 404
+    GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
 
-Only what the store holds is served, and the store only holds verified bytes. Requests carry no
-body, header sizes are aiohttp's bounded defaults, and at most `max_connections` responses are
-in flight, transfers included (chunk bodies are streamed inside the handler, not handed to
-sendfile after it returns); the rest get 503 so a flood cannot starve the daemon.
+`ChunkService` is the part both transports share: what may be served, the upload slots and the
+upload limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
+
+Only what the store holds is served, and the store only holds verified bytes. A chunk of the
+version this peer is still fetching is served as soon as it is verified: with `wait`, the request
+is held (at most `chunk_server.wait_s`) until it arrives, which is what pipelines the broadcast.
+Requests carry no body, header sizes are aiohttp's bounded defaults, at most `max_connections`
+requests are in flight and at most `upload_slots` chunk bodies are streamed at once (chunk bodies
+are streamed inside the handler, not handed to sendfile after it returns); the rest get 503 so a
+flood cannot starve the daemon. Every body byte passes the daemon's upload limiter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, BinaryIO
 
 from aiohttp import web
 
 from echo2swarm import __version__
 from echo2swarm.config.models import ChunkServerConfig
+from echo2swarm.policy.limiter import RateLimiter
+from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 
@@ -33,28 +43,95 @@ _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
 
 
-class ChunkServer:
-    """Serve a ChunkStore and VersionStore over HTTP.
+class Busy(Exception):
+    """Every upload slot is taken: the requester should try another holder."""
 
-    >>> server = ChunkServer(config, chunks, versions, info=lambda: {"peer_id": "12D3..."})
-    >>> url = await server.start()        # e.g. http://127.0.0.1:40123
-    >>> await server.stop()
-    """
+
+class ChunkService:
+    """What this peer can serve, and the pacing of what it uploads. Shared by HTTP and libp2p."""
 
     def __init__(
         self,
         config: ChunkServerConfig,
         chunks: ChunkStore,
         versions: VersionStore,
-        info: Callable[[], dict[str, Any]] = dict,
-        head: Callable[[], bytes | None] = lambda: None,
+        limiter: RateLimiter | None = None,
+        inflight: InFlight | None = None,
+        plan: Callable[[int], bytes | None] = lambda version: None,
     ):
         self.config = config
         self.chunks = chunks
         self.versions = versions
+        self.limiter = limiter or RateLimiter(None)
+        self.inflight = inflight
+        self.plan = plan
+        self.stats: Counter[str] = Counter()
+        self._uploads = 0
+
+    def manifest(self, version: int) -> bytes | None:
+        data = self.versions.manifest_bytes(version)
+        if data is None and self.inflight is not None and self.inflight.version == version:
+            data = self.inflight.manifest_bytes  # verified before the fetch began
+        if data is not None:
+            self.stats["manifests_served"] += 1
+        return data
+
+    async def open_chunk(self, sha256: str, wait: float = 0.0, version: int | None = None) -> BinaryIO | None:
+        """The stored chunk, opened; waits up to `wait` s if it is being fetched. None: not held."""
+        wait = min(max(0.0, wait), self.config.wait_s)
+        if not self.chunks.has(sha256) and wait > 0 and self.inflight is not None:
+            self.stats["waited"] += 1
+            await self.inflight.wait(sha256, wait, newer_than=self.versions.latest(), version=version)
+        try:
+            return open(self.chunks.path(sha256), "rb")
+        except FileNotFoundError:
+            return None
+
+    @contextlib.contextmanager
+    def upload_slot(self) -> Iterator[None]:
+        """Hold one of the `upload_slots` for a transfer; Busy when all are taken."""
+        if self._uploads >= self.config.upload_slots:
+            self.stats["refused_busy"] += 1
+            raise Busy()
+        self._uploads += 1
+        try:
+            yield
+        finally:
+            self._uploads -= 1
+
+    async def upload(self, f: BinaryIO, write: Callable[[bytes], Awaitable[Any]]) -> int:
+        """Stream an opened chunk through `write` at the upload limit (call inside `upload_slot`)."""
+        sent = 0
+        try:
+            while block := f.read(WRITE_BLOCK):
+                await self.limiter.take(len(block))
+                await write(block)
+                sent += len(block)
+        finally:
+            self.stats["bytes_served"] += sent
+        self.stats["chunks_served"] += 1
+        return sent
+
+
+class ChunkServer:
+    """Serve a ChunkService over HTTP.
+
+    >>> server = ChunkServer(service, info=lambda: {"peer_id": "12D3..."})
+    >>> port = await server.start()        # e.g. 40123
+    >>> await server.stop()
+    """
+
+    def __init__(
+        self,
+        service: ChunkService,
+        info: Callable[[], dict[str, Any]] = dict,
+        head: Callable[[], bytes | None] = lambda: None,
+    ):
+        self.service = service
+        self.config = service.config
         self.info = info
         self.head = head
-        self.stats: Counter[str] = Counter()
+        self.stats = service.stats
         self._in_flight = 0
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -65,6 +142,7 @@ class ChunkServer:
         app.router.add_get("/v1/info", self._info, allow_head=False)
         app.router.add_get("/v1/head", self._head, allow_head=False)
         app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
+        app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
         app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False)
         return app
 
@@ -87,7 +165,7 @@ class ChunkServer:
             self._in_flight -= 1
 
     async def _info(self, request: web.Request) -> web.Response:
-        body = {"software": __version__, "versions": self.versions.versions(), **self.info()}
+        body = {"software": __version__, "versions": self.service.versions.versions(), **self.info()}
         return web.json_response(body)
 
     async def _head(self, request: web.Request) -> web.Response:
@@ -96,34 +174,54 @@ class ChunkServer:
             raise web.HTTPNotFound(text="this peer announces no head")
         return web.Response(body=data, content_type="application/json")
 
-    async def _manifest(self, request: web.Request) -> web.Response:
-        raw = request.match_info["version"]
+    @staticmethod
+    def _version(raw: str) -> int:
         if not _VERSION.fullmatch(raw):
             raise web.HTTPBadRequest(text="version must be a positive integer without leading zeros")
-        data = self.versions.manifest_bytes(int(raw))
+        return int(raw)
+
+    async def _manifest(self, request: web.Request) -> web.Response:
+        version = self._version(request.match_info["version"])
+        data = self.service.manifest(version)
         if data is None:
-            raise web.HTTPNotFound(text=f"version {raw} not held")
-        self.stats["manifests_served"] += 1
+            raise web.HTTPNotFound(text=f"version {version} not held")
+        return web.Response(body=data, content_type="application/json")
+
+    async def _plan(self, request: web.Request) -> web.Response:
+        version = self._version(request.match_info["version"])
+        data = self.service.plan(version)
+        if data is None:
+            raise web.HTTPNotFound(text=f"no broadcast plan for version {version}")
         return web.Response(body=data, content_type="application/json")
 
     async def _chunk(self, request: web.Request) -> web.StreamResponse:
         sha = request.match_info["sha256"]
         if not _HEX64.fullmatch(sha):
             raise web.HTTPBadRequest(text="chunk id must be 64 lowercase hex chars")
+        wait, version = 0.0, None
         try:
-            f = open(self.chunks.path(sha), "rb")
-        except FileNotFoundError:
-            raise web.HTTPNotFound(text="chunk not held") from None
+            if "wait" in request.query:
+                wait = float(request.query["wait"])
+            if "v" in request.query:
+                version = self._version(request.query["v"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="wait must be seconds, v a version") from None
+        f = await self.service.open_chunk(sha, wait, version)
+        if f is None:
+            raise web.HTTPNotFound(text="chunk not held")
         with f:
             size = os.fstat(f.fileno()).st_size
-            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"})
-            response.content_length = size
-            await response.prepare(request)
-            while block := f.read(WRITE_BLOCK):
-                await response.write(block)
-            await response.write_eof()
-        self.stats["chunks_served"] += 1
-        self.stats["bytes_served"] += size
+            try:
+                with self.service.upload_slot():
+                    response = web.StreamResponse(
+                        headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
+                    )
+                    response.content_length = size
+                    await response.prepare(request)
+                    await self.service.upload(f, response.write)
+                    await response.write_eof()
+            except Busy:
+                raise web.HTTPServiceUnavailable(text="upload slots full") from None
         return response
 
     async def start(self) -> int:

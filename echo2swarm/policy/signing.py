@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 PUBLIC_PREFIX = "ed25519:"
 DOMAIN_MANIFEST = b"echo2swarm/manifest/v1\n"
 DOMAIN_HEAD = b"echo2swarm/head/v1\n"
+DOMAIN_PLAN = b"echo2swarm/plan/v1\n"
 
 
 class KeyFileError(ValueError):

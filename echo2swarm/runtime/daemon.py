@@ -28,8 +28,10 @@ from echo2swarm import __version__
 from echo2swarm.config.loading import dump_config
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
-from echo2swarm.overlay.records import PeerCard
-from echo2swarm.policy.server import ChunkServer
+from echo2swarm.overlay.records import Arrival, PeerCard
+from echo2swarm.policy.limiter import RateLimiter
+from echo2swarm.policy.pipeline import InFlight
+from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 
@@ -47,6 +49,8 @@ class DaemonContext:
     chunks: ChunkStore
     versions: VersionStore
     session: aiohttp.ClientSession
+    service: ChunkService  # what this peer serves (HTTP and libp2p) and its upload limit
+    inflight: InFlight = field(default_factory=InFlight)  # the version being fetched, re-served as it arrives
     announcer: Announcer | None = None
     extra_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -126,6 +130,7 @@ class Daemon:
     def card(self, state: str | None = None) -> PeerCard:
         assert self.ctx is not None and self.service is not None
         fields = self.service.card_fields()
+        arrivals = sorted(fields.get("arrival_s", {}).items())[-8:]
         return PeerCard(
             peer_id=self.ctx.overlay.peer_id,
             role=self.config.role,
@@ -135,6 +140,12 @@ class Daemon:
             software=__version__,
             maddrs=self.maddrs[:8],
             chunk_url=self.chunk_url,
+            upload_bps=self.config.upload_limit,
+            held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
+            fetching=fields.get("fetching"),
+            arrivals=[Arrival(version=v, seconds=round(t, 3)) for v, t in arrivals],
+            rollouts_per_s=fields.get("rollouts_per_s"),
+            active=fields.get("active"),
             updated_ms=int(time.time() * 1000),
         )
 
@@ -148,8 +159,8 @@ class Daemon:
         """Served at GET /v1/info; also what `stats` tools read."""
         assert self.ctx is not None and self.service is not None
         stats = dict(self.service.stats())
-        if self.server is not None:
-            stats["server"] = dict(self.server.stats)
+        if self.config.role != "bootstrap":
+            stats["server"] = dict(self.ctx.service.stats)
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         return {
             "peer_id": self.ctx.overlay.peer_id,
@@ -213,13 +224,18 @@ class Daemon:
         tasks: list[asyncio.Task[None]] = []
         try:
             self.maddrs = await overlay.visible_maddrs()
-            self.ctx = DaemonContext(config, overlay, ChunkStore(state_dir), VersionStore(state_dir), session)
-            self.ctx.versions.clean_temporaries()
-            self.ctx.chunks.clean_temporaries()
+            chunks, versions = ChunkStore(state_dir), VersionStore(state_dir)
+            inflight = InFlight()
+            service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit), inflight)
+            self.ctx = DaemonContext(config, overlay, chunks, versions, session, service, inflight)
+            versions.clean_temporaries()
+            chunks.clean_temporaries()
+            if config.role != "bootstrap":
+                from echo2swarm.policy.p2p import serve_p2p
+
+                await serve_p2p(overlay, service)  # the fallback transport, always on
             if config.role != "bootstrap" and config.chunk_server.enabled:
-                self.server = ChunkServer(
-                    config.chunk_server, self.ctx.chunks, self.ctx.versions, info=self.info, head=self._head_bytes
-                )
+                self.server = ChunkServer(service, info=self.info, head=self._head_bytes)
                 port = await self.server.start()
                 host = config.chunk_server.host
                 if host in ("0.0.0.0", "::", ""):

@@ -12,9 +12,9 @@ from aiohttp import web
 
 from echo2swarm.config.models import ChunkServerConfig, FetchConfig
 from echo2swarm.learner.publisher import Publisher
-from echo2swarm.policy.fetcher import FetchError, HttpSource, PolicyFetcher
+from echo2swarm.policy.fetcher import FetchError, HttpSource, PolicyFetcher, rotating
 from echo2swarm.policy.manifest import ManifestError
-from echo2swarm.policy.server import ChunkServer
+from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 
@@ -72,7 +72,7 @@ def published(tmp_path: Path, tiny_model_dir: Path):
 
 async def _fetch(tmp_path: Path, published, liar_modes: list[str], with_honest: bool = True):
     key, chunks, versions, head = published
-    honest = ChunkServer(ChunkServerConfig(host="127.0.0.1"), chunks, versions)
+    honest = ChunkServer(ChunkService(ChunkServerConfig(host="127.0.0.1"), chunks, versions))
     await honest.start()
     liars = [Liar(chunks, versions, m) for m in liar_modes]
     urls = [await liar.start() for liar in liars]
@@ -85,7 +85,7 @@ async def _fetch(tmp_path: Path, published, liar_modes: list[str], with_honest: 
                 sources.append(HttpSource(session, f"http://127.0.0.1:{honest.port}", fetcher.config, name="honest"))
             try:
                 manifest, _ = await fetcher.fetch_manifest(head, sources, trusted=key.public, swarm="t")
-                await fetcher.fetch_chunks(manifest, sources)
+                await fetcher.fetch_chunks(manifest, rotating(sources))
                 return fetcher, store, manifest, None
             except (FetchError, ManifestError) as e:
                 return fetcher, store, None, e
@@ -136,7 +136,7 @@ def test_served_chunks_are_the_verified_bytes(tmp_path: Path, published):
     async def scenario() -> int:
         _, store, manifest, _ = await _fetch(tmp_path, published, [])
         versions = VersionStore(tmp_path / "follower")
-        server = ChunkServer(ChunkServerConfig(host="127.0.0.1"), store, versions)
+        server = ChunkServer(ChunkService(ChunkServerConfig(host="127.0.0.1"), store, versions))
         await server.start()
         try:
             async with aiohttp.ClientSession() as session:

@@ -1,0 +1,93 @@
+"""The learner's side of dissemination: plan each version's broadcast, and measure T_bcast.
+
+    publish v ─► plan(v): chains over the follower cards seen lately, signed ─► served at /v1/plan/v
+    cards (every refresh) ─► arrivals of v at every peer of plan(v) ─► T_bcast(v) = the slowest one
+
+T_bcast(v) is the time until every peer the plan covered holds v, as the peers report it (from
+seeing the head to installed: durations, so no clock sync between machines is assumed). Peers
+that left meanwhile are not waited for. The capacity model reads `t_bcast_s` (EWMA).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+from echo2swarm.overlay.node import Overlay
+from echo2swarm.overlay.records import PeerCard
+from echo2swarm.policy.broadcast import make_plan
+from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+KEEP_PLANS = 16
+EWMA_ALPHA = 0.3
+
+
+class BroadcastTracker:
+    def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float):
+        self.overlay = overlay
+        self.key = key
+        self.seeds = seeds
+        self.refresh_s = refresh_s
+        self.cards: list[PeerCard] = []
+        self.plans: OrderedDict[int, bytes] = OrderedDict()
+        self._receivers: OrderedDict[int, set[str]] = OrderedDict()
+        self.t_bcast: OrderedDict[int, float] = OrderedDict()  # version -> seconds, once complete
+        self.t_bcast_s: float | None = None  # EWMA over completed versions
+
+    def followers(self) -> list[PeerCard]:
+        return [c for c in self.cards if c.role in ("rollout", "relay") and c.state != "stopping"]
+
+    def plan(self, version: int) -> bytes:
+        """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""
+        receivers = [(c.peer_id, c.upload_bps) for c in self.followers()]
+        plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds)
+        data = plan.to_bytes()
+        self.plans[version] = data
+        self._receivers[version] = {peer for peer, _ in receivers}
+        while len(self.plans) > KEEP_PLANS:
+            self.plans.popitem(last=False)
+        while len(self._receivers) > KEEP_PLANS:
+            self._receivers.popitem(last=False)
+        return data
+
+    def get_plan(self, version: int) -> bytes | None:
+        return self.plans.get(version)
+
+    def observe(self, cards: list[PeerCard]) -> None:
+        """Update T_bcast from fresh cards: a version is complete once every live receiver reports it."""
+        self.cards = cards
+        live = {c.peer_id: c for c in self.followers()}
+        for version, receivers in list(self._receivers.items()):
+            if version in self.t_bcast or not receivers:
+                continue
+            waiting = [p for p in receivers if p in live]
+            arrivals = []
+            for peer in waiting:
+                seconds = next((a.seconds for a in live[peer].arrivals if a.version == version), None)
+                if seconds is None:
+                    break
+                arrivals.append(seconds)
+            else:
+                if arrivals:
+                    self.t_bcast[version] = max(arrivals)
+                    self.t_bcast_s = max(arrivals) if self.t_bcast_s is None else \
+                        (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * max(arrivals)
+                    logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, max(arrivals), len(arrivals))
+        while len(self.t_bcast) > KEEP_PLANS:
+            self.t_bcast.popitem(last=False)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                cards, _ = await self.overlay.get_cards()
+                self.observe(cards)
+            except Exception as e:  # the DHT may hiccup; the next refresh tries again
+                logger.debug("card refresh failed: %s", e)
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.05, self.refresh_s - (time.monotonic() - started)))
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,132 @@
+"""Bulk bytes over libp2p: one request, one bounded header, then a raw body, on a fresh stream.
+
+    request  := u32 length ‖ msgpack {op, ...}                (at most 1 KiB)
+    response := u32 length ‖ msgpack {status, size[, error]}  (at most 1 KiB) ‖ `size` raw bytes
+
+The fallback transport for chunks when a peer is reachable only through the overlay (NAT, relay):
+protobuf messages top out at 4 MiB and would copy every byte twice, so bodies are raw stream
+bytes. The caller's identity is the peer id libp2p authenticated (`stream_info.peer_id`); both
+header frames are length-checked before they are read, so garbage costs one log line.
+
+    server: await serve_frames(p2p, "echo2swarm/demo/chunks", handle)    # handle(request, peer, out)
+    client: async with open_frames(p2p, peer_id, maddrs, "echo2swarm/demo/chunks", {"op": "chunk", ...}, 10) as (head, body):
+                data = await body.readexactly(head["size"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import msgpack
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+MAX_FRAME_BYTES = 1024
+_LEN = 4
+
+
+class StreamError(Exception):
+    """The peer could not be reached over libp2p, or answered something malformed."""
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+    size = int.from_bytes(await reader.readexactly(_LEN), "big")
+    if size > MAX_FRAME_BYTES:
+        raise StreamError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        value = msgpack.unpackb(await reader.readexactly(size), raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise StreamError(f"undecodable frame: {type(e).__name__}") from None
+    if not isinstance(value, dict):
+        raise StreamError("frame is not a mapping")
+    return value
+
+
+def _frame(value: dict[str, Any]) -> bytes:
+    data = msgpack.packb(value, use_bin_type=True)
+    assert len(data) <= MAX_FRAME_BYTES, "frames are small headers"
+    return len(data).to_bytes(_LEN, "big") + data
+
+
+class FrameWriter:
+    """What a handler answers with: one header, then the body in blocks (back-pressured)."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self._writer = writer
+        self.header_sent = False
+
+    async def header(self, status: int, size: int = 0, error: str | None = None) -> None:
+        body: dict[str, Any] = {"status": status, "size": size}
+        if error:
+            body["error"] = error[:300]
+        self._writer.write(_frame(body))
+        self.header_sent = True
+        await self._writer.drain()
+
+    async def write(self, block: bytes) -> None:
+        self._writer.write(block)
+        await self._writer.drain()
+
+
+Handler = Callable[[dict[str, Any], str, FrameWriter], Awaitable[None]]
+
+
+async def serve_frames(p2p: P2P, name: str, handler: Handler, timeout: float = 120.0) -> None:
+    async def _handle(stream_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = stream_info.peer_id.to_base58()
+        out = FrameWriter(writer)
+        try:
+            request = await asyncio.wait_for(_read_frame(reader), 10.0)
+            await asyncio.wait_for(handler(request, peer, out), timeout)
+        except StreamError as e:
+            logger.info("refused %s request from %s: %s", name.rsplit("/", 1)[-1], peer[-8:], e)
+            if not out.header_sent:
+                with contextlib.suppress(Exception):
+                    await out.header(400, error=str(e))
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
+            logger.debug("%s stream from %s ended: %s", name, peer[-8:], type(e).__name__)
+        except Exception:
+            logger.exception("%s handler failed", name)
+        finally:
+            writer.close()
+
+    await p2p.add_binary_stream_handler(name, _handle)
+
+
+@contextlib.asynccontextmanager
+async def open_frames(
+    p2p: P2P, peer_id: str, maddrs: list[str], name: str, request: dict[str, Any], timeout: float
+) -> AsyncIterator[tuple[dict[str, Any], asyncio.StreamReader]]:
+    """Send `request`; yield the response header and a reader positioned at the body."""
+    peer = PeerID.from_base58(peer_id)
+    writer: asyncio.StreamWriter | None = None
+    try:
+        try:
+            if maddrs:
+                with contextlib.suppress(Exception):  # already connected, or reachable through the DHT
+                    await asyncio.wait_for(p2p._client.connect(peer, [Multiaddr(m) for m in maddrs]), timeout)
+            _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, name), timeout)
+            writer.write(_frame(request))
+            await writer.drain()
+            head = await asyncio.wait_for(_read_frame(reader), timeout)
+        except StreamError:
+            raise
+        except Exception as e:  # p2pd raises its own ControlFailure, ConnectionError, timeouts ...
+            raise StreamError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]}: {type(e).__name__}: {e}") from None
+        if not isinstance(head.get("status"), int) or not isinstance(head.get("size"), int) or head["size"] < 0:
+            raise StreamError("response header lacks status/size")
+        yield head, reader
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def stream_name(swarm: str, what: str) -> str:
+    """libp2p protocol id of a bulk stream handler, e.g. `echo2swarm/<swarm>/chunks`."""
+    return f"echo2swarm/{swarm}/{what}"

@@ -1,0 +1,114 @@
+"""The learner's broadcast plan: which peer each peer fetches each chunk from (stripe, then chain).
+
+    learner ──stripe 0──► p0 ─► p2 ─► p3 ─► p1        chunk i belongs to stripe i mod s;
+            ──stripe 1──► p2 ─► p0 ─► p3 ─► p1        each peer fetches it from its predecessor
+
+The learner uploads every chunk once, to the head of its stripe's chain (`publish.seeds` stripes);
+each peer forwards what it has verified to the next one while still fetching the rest, so the
+learner's uplink stays near one model's worth per version however many peers there are, and a
+version reaches the last peer about (M + depth·chunk)/B after publication instead of N·M/B.
+
+Chains are ordered by advertised upload bandwidth, fastest first: every peer but the last uploads
+the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers of unknown
+bandwidth come after the known ones. The plan is a hint, signed by the policy key so that nobody
+else can steer the swarm's traffic; fetchers fall back to any holder (learner last) when their
+parent is slow, gone or lying, and peers that joined after publication use holders only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo2swarm.overlay.records import MAX_VERSION
+from echo2swarm.policy.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
+
+MAX_PLAN_BYTES = 256 * 1024
+_PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
+
+
+class PlanError(ValueError):
+    pass
+
+
+class BroadcastPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    format: Literal["echo2swarm-plan/1"] = "echo2swarm-plan/1"
+    swarm: str = Field(max_length=64)
+    version: int = Field(ge=1, le=MAX_VERSION)
+    publisher: str = Field(pattern=_PEER_ID)
+    stripes: list[list[Annotated[str, Field(pattern=_PEER_ID)]]] = Field(max_length=16)
+    public_key: str = Field(max_length=80)
+    signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
+
+    def _payload(self) -> bytes:
+        return canonical_bytes(self.model_dump(mode="json", exclude={"signature"}))
+
+    def parent(self, peer_id: str, chunk_index: int) -> str | None:
+        """Whom `peer_id` should fetch chunk `chunk_index` from: a peer, the publisher, or None (not in the plan)."""
+        if not self.stripes:
+            return None
+        chain = self.stripes[chunk_index % len(self.stripes)]
+        try:
+            position = chain.index(peer_id)
+        except ValueError:
+            return None
+        return self.publisher if position == 0 else chain[position - 1]
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int) -> list[list[str]]:
+    """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most.
+
+    >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2)
+    [['b', 'a', 'c'], ['a', 'b', 'c']]
+    """
+    known = sorted((r for r in receivers if r[1] is not None), key=lambda r: (-(r[1] or 0), r[0]))
+    unknown = sorted((r for r in receivers if r[1] is None), key=lambda r: r[0])
+    order = [peer for peer, _ in known + unknown]
+    if not order:
+        return []
+    # The tail uploads nothing; with as many stripes as peers it would also head one, so keep it out.
+    heads = order[: max(1, min(seeds, len(order) - 1 if len(order) > 1 else 1))]
+    return [[head] + [p for p in order if p != head] for head in heads]
+
+
+def make_plan(
+    key: PolicyKey, swarm: str, version: int, publisher: str,
+    receivers: Sequence[tuple[str, int | None]], seeds: int,
+) -> BroadcastPlan:
+    plan = BroadcastPlan(
+        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds),
+        public_key=key.public.text,
+    )
+    return plan.model_copy(update={"signature": key.sign(DOMAIN_PLAN, plan._payload()).hex()})
+
+
+def verify_plan(data: bytes, *, trusted: PublicKey, swarm: str, version: int, publisher: str) -> BroadcastPlan:
+    """Parse and check a plan's size, schema, signature and identity; PlanError says what is wrong."""
+    if len(data) > MAX_PLAN_BYTES:
+        raise PlanError(f"plan of {len(data)} bytes exceeds {MAX_PLAN_BYTES}")
+    try:
+        plan = BroadcastPlan.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as e:
+        raise PlanError(f"malformed plan: {str(e)[:200]}") from None
+    if plan.public_key != trusted.text:
+        raise PlanError("plan is not signed by the trusted learner key")
+    try:
+        ok = trusted.verify(DOMAIN_PLAN, plan._payload(), bytes.fromhex(plan.signature))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise PlanError("bad plan signature")
+    if plan.swarm != swarm or plan.version != version or plan.publisher != publisher:
+        raise PlanError(f"plan is for {plan.swarm}/v{plan.version} by {plan.publisher[-8:]}, not the head being fetched")
+    for chain in plan.stripes:
+        if len(chain) > 4096 or len(set(chain)) != len(chain):
+            raise PlanError("a plan chain is too long or lists a peer twice")
+    return plan

@@ -1,0 +1,122 @@
+"""Chunks over libp2p streams: the fallback transport for peers reachable only through the overlay.
+
+Same service as the HTTP server (what may be served, upload slots, upload limit), another front
+end: `serve_p2p` answers `manifest`, `plan` and `chunk` requests on the daemon's p2pd, and
+`P2PSource` is the fetcher's side. A peer behind NAT that runs without a chunk server
+(`--no-chunk-server`) is still a full member of the broadcast this way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from echo2swarm.config.models import FetchConfig
+from echo2swarm.overlay.node import Overlay
+from echo2swarm.overlay.records import MAX_VERSION
+from echo2swarm.overlay.streams import FrameWriter, StreamError, open_frames, serve_frames, stream_name
+from echo2swarm.policy.fetcher import SourceBusy, SourceError, SourceMissing, SourceUnreachable
+from echo2swarm.policy.manifest import ChunkRef
+from echo2swarm.policy.server import Busy, ChunkService
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _version(request: dict[str, object]) -> int:
+    version = request.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= MAX_VERSION:
+        raise StreamError("version must be an integer in 1..1e12")
+    return version
+
+
+async def serve_p2p(overlay: Overlay, service: ChunkService) -> None:
+    async def handle(request: dict[str, object], peer: str, out: FrameWriter) -> None:
+        op = request.get("op")
+        if op in ("manifest", "plan"):
+            version = _version(request)
+            data = service.manifest(version) if op == "manifest" else service.plan(version)
+            if data is None:
+                await out.header(404, error=f"no {op} for version {version}")
+                return
+            await out.header(200, len(data))
+            await service.limiter.take(len(data))
+            await out.write(data)
+        elif op == "chunk":
+            sha = request.get("sha256")
+            wait = request.get("wait", 0.0)
+            if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
+                raise StreamError("sha256 must be 64 lowercase hex chars")
+            if not isinstance(wait, (int, float)) or isinstance(wait, bool):
+                raise StreamError("wait must be seconds")
+            version = _version(request) if request.get("version") is not None else None
+            f = await service.open_chunk(sha, float(wait), version)
+            if f is None:
+                await out.header(404, error="chunk not held")
+                return
+            with f:
+                try:
+                    with service.upload_slot():
+                        await out.header(200, f.seek(0, 2))
+                        f.seek(0)
+                        await service.upload(f, out.write)
+                except Busy:
+                    await out.header(503, error="upload slots full")
+        else:
+            raise StreamError(f"unknown op {str(op)[:20]!r}")
+
+    await serve_frames(overlay.p2p, stream_name(overlay.config.swarm, "chunks"), handle, service.config.request_timeout_s)
+
+
+class P2PSource:
+    """A peer's chunks over a libp2p stream, addressed by peer id (and its card's multiaddrs)."""
+
+    def __init__(self, overlay: Overlay, peer_id: str, maddrs: list[str], config: FetchConfig, name: str | None = None):
+        self.overlay = overlay
+        self.peer_id = peer_id
+        self.maddrs = maddrs
+        self.config = config
+        self.name = name or f"p2p:{peer_id[-8:]}"
+        self._protocol = stream_name(overlay.config.swarm, "chunks")
+
+    async def _get(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
+        connect_timeout = min(timeout, self.overlay.config.dht_timeout_s + wait)
+        try:
+            async with open_frames(self.overlay.p2p, self.peer_id, self.maddrs, self._protocol, request,
+                                   connect_timeout) as (head, body):
+                status, size = head["status"], head["size"]
+                if status == 503:
+                    raise SourceBusy(f"{self.name}: busy")
+                if status == 404:
+                    raise SourceMissing(f"{self.name}: {str(head.get('error', 'not held'))[:100]}")
+                if status != 200:
+                    raise SourceError(f"{self.name}: status {status}: {str(head.get('error', ''))[:100]}")
+                if size > max_bytes:
+                    raise SourceError(f"{self.name}: {size} bytes exceeds the {max_bytes} limit")
+                buf = bytearray()
+                while len(buf) < size:
+                    piece = await asyncio.wait_for(body.read(min(1 << 16, size - len(buf))), self.config.stall_timeout_s)
+                    if not piece:
+                        raise SourceError(f"{self.name}: stream ended after {len(buf)} of {size} bytes")
+                    buf += piece
+                return bytes(buf)
+        except StreamError as e:
+            raise SourceUnreachable(str(e)) from None
+        except asyncio.TimeoutError:
+            raise SourceError(f"{self.name}: stalled for {self.config.stall_timeout_s:.0f} s") from None
+        except (ConnectionError, OSError) as e:
+            raise SourceError(f"{self.name}: {type(e).__name__}: {e}") from None
+
+    async def manifest(self, version: int, max_bytes: int) -> bytes:
+        return await self._get({"op": "manifest", "version": version}, max_bytes, self.config.manifest_timeout_s)
+
+    async def plan(self, version: int, max_bytes: int) -> bytes:
+        return await self._get({"op": "plan", "version": version}, max_bytes, self.config.manifest_timeout_s)
+
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+        request: dict[str, object] = {"op": "chunk", "sha256": ref.sha256}
+        if wait > 0 and version is not None:
+            request.update(wait=float(wait), version=version)
+        data = await self._get(request, min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait)
+        if len(data) != ref.size:
+            raise SourceError(f"{self.name}: chunk {ref.sha256[:12]} is {len(data)} bytes, expected {ref.size}")
+        return data
