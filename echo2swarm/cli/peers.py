@@ -15,13 +15,15 @@ def peers_table(view: dict[str, Any]) -> Any:
 
     heads = ", ".join(f"v{h['version']} by {h['public_key'][8:24]}" for h in view["heads"]) or "none"
     table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers; policy head {heads}", title_justify="left")
-    for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("version", "right"),
-                            ("state", "left"), ("last seen", "right")):
+    for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("rollouts/s", "right"),
+                            ("version", "right"), ("state", "left"), ("activation", "left"), ("last seen", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for p in view["peers"]:
         table.add_row(
             f"…{p['peer_id'][-12:]}", p["role"], f"{p['price']:.3f}",
-            "-" if p["version"] is None else str(p["version"]), p["state"], f"{p['last_seen']:.0f}s ago",
+            "-" if p.get("rollouts_per_s") is None else f"{p['rollouts_per_s']:.1f}",
+            "-" if p["version"] is None else str(p["version"]), p["state"], p.get("activation") or "-",
+            f"{p['last_seen']:.0f}s ago",
         )
     return table
 
@@ -35,7 +37,7 @@ def peers_table(view: dict[str, Any]) -> Any:
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
 def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
-    """List the peers of a swarm: role, price, policy version, state, last seen.
+    """List the peers of a swarm: role, price, measured rollouts/s, policy version, state, active or standby, last seen.
 
     \b
     echo2swarm peers --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3...

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
-from echo2swarm.config.rl import EngineConfig, LeaseConfig, TrainConfig, WorkerConfig
+from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, TrainConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
@@ -207,6 +207,7 @@ class LearnerConfig(_DaemonBase):
     store: StoreConfig = Field(default_factory=StoreConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     leases: LeaseConfig = Field(default_factory=LeaseConfig)
+    activation: ActivationConfig = Field(default_factory=ActivationConfig)
 
     @model_validator(mode="after")
     def _needs_model(self) -> "LearnerConfig":

@@ -41,6 +41,11 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
     keep_checkpoints: int = Field(2, ge=1)
     run_dir: Path | None = Field(None, description="metrics.jsonl, checkpoints, final model. None: <state_dir>/run.")
+    min_step_s: float | None = Field(
+        None, gt=0, le=3600,
+        description="Pad each step's learner time to at least this many seconds (emulates a larger model in "
+        "benchmarks, as worker.max_rollouts_per_s emulates slower GPUs). None: no padding.",
+    )
 
     @model_validator(mode="after")
     def _fits_in_a_message(self) -> "TrainConfig":
@@ -75,4 +80,36 @@ class WorkerConfig(_Section):
     idle_retry_s: float = Field(1.0, gt=0, description="Seconds between attempts while no learner is reachable.")
     max_rollouts_per_s: float | None = Field(
         None, gt=0, description="Pace generation to at most this many rollouts/s (emulates slower GPUs in benchmarks)."
+    )
+    calibrate: bool = Field(
+        True, description="Measure rollouts/s once the engine loads (cached per engine, model and settings) so the "
+        "learner can plan with it before the first lease.",
+    )
+    calibration_prompts: int = Field(4, ge=1, le=256, description="Prompts in the calibration batch.")
+    calibration_group_size: int = Field(8, ge=1, le=256, description="Completions per calibration prompt "
+                                        "(until a lease shows the task's own group size).")
+    calibration_max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length of the calibration batch "
+                                            "(until a lease shows the task's own).")
+    ewma_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest lease in the rollouts/s average.")
+
+
+class ActivationConfig(_Section):
+    """The learner's closed loop over which rollout peers work (docs/ARCHITECTURE.md §7)."""
+
+    enabled: bool = Field(True, description="Keep only the cheapest peers meeting the throughput floor active; "
+                          "off: every peer gets leases.")
+    gamma: float = Field(1.1, ge=1, le=10, description="Margin: active peers must give gamma * R / T_train rollouts/s.")
+    hysteresis: float = Field(
+        0.1, ge=0, lt=1,
+        description="Fraction: the active set is kept while it gives >= (1 - hysteresis) of the floor and no plan "
+        "is cheaper by more than this fraction, so peers don't flap.",
+    )
+    replan_period_s: float = Field(10.0, gt=0, le=3600, description="Seconds between re-plans of the active set.")
+    standby_retry_s: float = Field(1.0, gt=0, le=60, description="Seconds a standby peer waits before asking again.")
+    min_steps: int = Field(
+        2, ge=1, le=1000, description="Training steps measured before the first plan; until then every peer is active."
+    )
+    ewma_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest sample in T_train, T_bcast, L_gen, µ.")
+    t_bcast_s: float | None = Field(
+        None, ge=0, le=3600, description="T_bcast to plan with, in seconds. None: the learner's measurement (else 0)."
     )

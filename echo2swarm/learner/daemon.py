@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
+from echo2swarm.learner.activation import LearnerActivation
 from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
@@ -58,6 +59,11 @@ class LearnerService:
         self.recent_rewards: deque[float] = deque(maxlen=10)
         self.extra_files: dict[str, Path | bytes] = {}  # config and tokenizer files published with each version
         self.wait_s = self.busy_s = 0.0
+        # Cost-aware activation (ARCHITECTURE §7); T_bcast from the broadcast tracker once it measures one.
+        self.activation = LearnerActivation(
+            self.config.activation, self.train,
+            t_bcast=lambda: getattr(getattr(self, "broadcast", None), "t_bcast_s", None),
+        )
 
     # -- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,6 +98,9 @@ class LearnerService:
             version=self.version, cursor=cursor, requeue=requeue,
         )
         self.intake.head_json = self._head_json()
+        self.intake.gate = self.activation.gate
+        self.intake.on_delivery = self.activation.on_delivery
+        self.intake.standby_retry_s = self.config.activation.standby_retry_s
         p2p, swarm = self.ctx.overlay.p2p, self.config.overlay.swarm
         await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
         await serve_client_stream(p2p, rpc_name(swarm, "submit"), self.intake.rpc_submit, GroupSubmission)
@@ -155,6 +164,7 @@ class LearnerService:
         intake, train = self.intake, self.train
         started = time.monotonic()
         while self.steps_done < train.steps and not stop.is_set():
+            self.activation.ensure_running(stop, self.ctx.overlay.get_cards, lambda: set(intake.seen))
             step_started = time.monotonic()
             if not await self._wait_for_batch(stop):
                 break
@@ -170,9 +180,14 @@ class LearnerService:
             t_publish = 0.0
             if self.steps_done % train.publish_every == 0:
                 t_publish = await self._publish()
+            if train.min_step_s is not None:  # emulate a larger model's step time (benchmarks)
+                pad = train.min_step_s - (time.monotonic() - step_started - waited)
+                if pad > 0:
+                    await asyncio.sleep(pad)
             busy = time.monotonic() - step_started - waited
             self.wait_s += waited
             self.busy_s += busy
+            self.activation.on_step(busy)
             self.recent_rewards.append(stats["reward_mean"])
             self.metrics.write({
                 "step": self.steps_done, "version": trained_version, "published_version": intake.published_version,
@@ -184,6 +199,7 @@ class LearnerService:
                 "accepted": intake.accepted, "refused": dict(intake.refused), "dropped": dict(intake.buffer.dropped),
                 "leases": dict(intake.leases.stats), "delivered": dict(intake.delivered),
                 "tokens_per_s": round(stats["tokens"] / max(1e-9, time.monotonic() - step_started), 1),
+                **self.activation.step_metrics(waited + busy),
             })
             if self.steps_done % train.checkpoint_every == 0:
                 await self._checkpoint()
@@ -226,6 +242,7 @@ class LearnerService:
         if self.intake is not None:
             out.update(accepted=self.intake.accepted, refused=dict(self.intake.refused),
                        dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats))
+        out["capacity"] = self.activation.snapshot()
         return out
 
 

@@ -4,6 +4,10 @@
     rpc_submit ─► per group: lease owner? open prompt? version in window? shapes? decodes?
                   ─► reward by the task (ground truth stays here) ─► RolloutBuffer ─► wake the trainer
 
+Activation: `gate(peer)` (the learner's cost-aware plan) may answer that a peer is on standby; it
+then gets `LeaseWait(standby=True)` and no work. Each completed submission reports the peer's
+delivered rollouts and the lease's latency to `on_delivery`, which the plan measures µ and L_gen by.
+
 Back-pressure: groups open in leases plus groups usable in the buffer never exceed
 (S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
 a peer is told to wait (`LeaseWait`) and asks again shortly. A peer holding an older version
@@ -63,6 +67,11 @@ class Intake:
         self.refused: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
         self._seeds = random.Random(train.seed)
+        self.gate: Callable[[str], str | None] | None = None  # peer -> standby reason, None when it may work
+        self.on_delivery: Callable[[str, int, float], None] | None = None  # (peer, rollouts, seconds since issue)
+        self.seen: dict[str, float] = {}  # peer -> last lease request (clock)
+
+    standby_retry_s = 1.0
 
     @property
     def capacity(self) -> int:
@@ -85,6 +94,11 @@ class Intake:
         if self.done:
             return LeaseWait(retry_s=5.0, reason="training finished", done=True, head=self.head_json)
         self.leases.expire(self.clock())
+        self.seen[peer] = self.clock()
+        standby = self.gate(peer) if self.gate is not None else None
+        if standby is not None:
+            return LeaseWait(retry_s=self.standby_retry_s, reason=f"standby: {standby}"[:200], standby=True,
+                             head=self.head_json)
         min_version = max(1, self.version - self.train.staleness)
         min_version = min(min_version, self.published_version)
         lease = self.leases.issue(
@@ -107,8 +121,12 @@ class Intake:
             head=self.head_json,
         )
 
-    def accept(self, sub: GroupSubmission, peer: str) -> str | None:
-        """Check one group and, if acceptable, reward it and buffer it. Returns the refusal reason."""
+    def accept(self, sub: GroupSubmission, peer: str,
+               tally: dict[str, tuple[float, int]] | None = None) -> str | None:
+        """Check one group and, if acceptable, reward it and buffer it. Returns the refusal reason.
+
+        `tally` collects lease id -> (issued at, rollouts accepted) for the delivery measurement.
+        """
         reason = self.leases.check(peer, sub.lease_id, sub.prompt_id)
         if reason is None:
             reason = check_group(sub, self.limits, current_version=self.version, staleness=self.train.staleness,
@@ -129,7 +147,10 @@ class Intake:
         if reason is not None:
             self._refuse(reason, peer, sub.prompt_id)
             return reason
+        issued_at = self.leases.open[sub.lease_id].issued_at
         index = self.leases.complete(sub.lease_id, sub.prompt_id)
+        if tally is not None:
+            tally[sub.lease_id] = (issued_at, tally.get(sub.lease_id, (0.0, 0))[1] + len(sub.completions))
         prompt = self.task.prompt(index)
         rewards = [
             float(self.task.reward(prompt.prompt_id, text, c.finish_reason == "stop"))
@@ -153,14 +174,19 @@ class Intake:
 
     async def rpc_submit(self, messages: AsyncIterator[GroupSubmission | RpcError], peer: str) -> SubmitResult:
         accepted, refused = 0, Counter()
+        tally: dict[str, tuple[float, int]] = {}
         async for message in messages:
             if isinstance(message, RpcError):
                 self._refuse("malformed", peer, str(message))
                 refused["malformed"] += 1
                 continue
-            reason = self.accept(message, peer)
+            reason = self.accept(message, peer, tally)
             if reason is None:
                 accepted += 1
             else:
                 refused[reason] += 1
+        if self.on_delivery is not None:
+            now = self.clock()
+            for issued_at, rollouts in tally.values():
+                self.on_delivery(peer, rollouts, now - issued_at)
         return SubmitResult(accepted=accepted, refused=dict(refused))

@@ -59,6 +59,7 @@ class LeaseWait(_Message):
     retry_s: float = Field(ge=0, le=60)
     reason: str = Field(max_length=200)
     done: bool = False
+    standby: bool = Field(False, description="the learner's plan keeps this peer on standby (cost-aware activation)")
     head: str | None = Field(None, max_length=16 * 1024)
 
 

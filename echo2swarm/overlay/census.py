@@ -21,6 +21,9 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "price": c.price,
             "version": c.version,
             "state": c.state,
+            "rollouts_per_s": c.rollouts_per_s,
+            # rollout peers the learner keeps on standby (cost-aware activation) get no leases
+            "activation": None if c.active is None else ("active" if c.active else "standby"),
             "last_seen": round(max(0.0, now_ms - c.updated_ms) / 1000, 1),
             "software": c.software,
             "chunk_url": c.chunk_url,

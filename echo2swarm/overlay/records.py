@@ -34,6 +34,10 @@ class PeerCard(BaseModel):
     software: str = Field(max_length=32)
     maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
     chunk_url: str | None = Field(None, max_length=256)
+    rollouts_per_s: float | None = Field(
+        None, ge=0, le=1e7, allow_inf_nan=False, description="rollout: measured rollouts/s; None: not measured yet"
+    )
+    active: bool | None = Field(None, description="rollout: False while the learner keeps it on standby; None: not told")
     updated_ms: int = Field(ge=0)
 
     @field_validator("peer_id")

@@ -69,8 +69,14 @@ class FollowerService:
     async def announce(self) -> None:
         return None
 
+    def _worker_fields(self) -> dict[str, Any]:
+        if self.worker is None:
+            return {}
+        mu = self.worker.rollouts_per_s
+        return {"rollouts_per_s": None if mu is None else round(mu, 3), "active": self.worker.active}
+
     def card_fields(self) -> dict[str, Any]:
-        return {"version": self.follower.held_version, "state": self.follower.state}
+        return {**self._worker_fields(), "version": self.follower.held_version, "state": self.follower.state}
 
     def stats(self) -> dict[str, Any]:
         worker = {}

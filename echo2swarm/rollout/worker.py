@@ -6,12 +6,19 @@
 Double-buffering: the follower fetches the next version while the engine keeps generating with
 the one it holds; the swap (`on_version`) takes the engine lock, so it lands between batches,
 never inside one. Back-pressure comes from the learner: when it has enough work in flight it
-answers `LeaseWait` and the worker asks again after the delay it names.
+answers `LeaseWait` and the worker asks again after the delay it names; when its cost-aware plan
+keeps this peer on standby it says so (`LeaseWait.standby`), and the card shows `active: false`.
+
+Throughput µ: measured once when the engine loads (a short calibration batch, cached in the state
+dir per engine, model, threads, pace and sampling settings, so a restart skips it), then an
+EWMA over real leases; advertised in the card as `rollouts_per_s` for the learner's planner.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import threading
 import time
 from collections import Counter
@@ -46,7 +53,12 @@ class RolloutWorker:
         self.swap_s: float | None = None
         self._lock = threading.Lock()
         self.stats: Counter[str] = Counter()
-        self.rollouts_per_s: float | None = None  # EWMA of measured throughput
+        self.rollouts_per_s: float | None = None  # calibration, then EWMA of measured throughput
+        self.active: bool | None = None  # False while the learner keeps us on standby
+        self.sampling: tuple[int, int] | None = None  # (group size, max new tokens) of the last lease
+        self._model_fp = ""
+        self._cache_path = Path(self.config.state_dir) / "throughput.json"
+        self._leases_since_save = 0
         self._last_error = ""
 
     # -- weights ------------------------------------------------------------------------------
@@ -62,10 +74,79 @@ class RolloutWorker:
                 engine = self.config.engine
                 self.engine = make_engine(engine.type, path, threads=engine.threads,
                                           max_batch_sequences=engine.max_batch_sequences)
+                self._model_fp = _model_fingerprint(path)
+                if self.config.worker.calibrate:
+                    self._calibrate()
             elif self.engine_version is None or version > self.engine_version:
                 self.engine.load_weights(path)
             self.engine_version = version
         self.swap_s = time.perf_counter() - started
+
+    # -- throughput --------------------------------------------------------------------------------
+    def _cache_key(self, n: int, max_new_tokens: int) -> str:
+        c = self.config
+        return (f"{c.engine.type}|{self._model_fp}|threads={c.engine.threads}|pace={c.worker.max_rollouts_per_s}"
+                f"|n={n}|tokens={max_new_tokens}")
+
+    def _read_cache(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self._cache_path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _save_cache(self) -> None:
+        if self.rollouts_per_s is None or self.sampling is None:
+            return
+        data = self._read_cache()
+        data.setdefault("mu", {})[self._cache_key(*self.sampling)] = round(self.rollouts_per_s, 4)
+        data["last_sampling"] = list(self.sampling)
+        tmp = self._cache_path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(self._cache_path)
+        except OSError as e:
+            logger.debug("cannot write the throughput cache: %s", e)
+
+    def _calibrate(self) -> None:
+        """µ before the first lease, so the learner can plan with this peer at once. Engine lock held."""
+        from echo2swarm.rollout.engines.base import SamplingParams
+
+        w = self.config.worker
+        cache = self._read_cache()
+        last = cache.get("last_sampling")
+        n, tokens = (last if isinstance(last, list) and len(last) == 2
+                     else (w.calibration_group_size, w.calibration_max_new_tokens))
+        self.sampling = (int(n), int(tokens))
+        cached = cache.get("mu", {}).get(self._cache_key(*self.sampling))
+        if isinstance(cached, (int, float)) and cached > 0:
+            self.rollouts_per_s = float(cached)
+            logger.info("throughput %.2f rollouts/s from the cache (%s)", cached, self._cache_path)
+            return
+        params = SamplingParams(n=self.sampling[0], max_new_tokens=self.sampling[1], temperature=1.0, top_p=1.0, seed=0)
+        prompts = [f"{i}+{i}=" for i in range(w.calibration_prompts)]
+        started = time.perf_counter()
+        self.engine.generate(prompts, params)
+        seconds = self._pace(len(prompts) * params.n, time.perf_counter() - started)
+        self.rollouts_per_s = len(prompts) * params.n / max(seconds, 1e-9)
+        logger.info("calibrated: %.2f rollouts/s (%d prompts x %d, %d tokens)", self.rollouts_per_s,
+                    len(prompts), params.n, params.max_new_tokens)
+        self._save_cache()
+
+    def _pace(self, rollouts: int, seconds: float) -> float:
+        """Sleep to emulate a slower device (worker.max_rollouts_per_s); returns the paced duration."""
+        pace = self.config.worker.max_rollouts_per_s
+        if pace is not None and rollouts / pace > seconds:
+            time.sleep(rollouts / pace - seconds)
+            return rollouts / pace
+        return seconds
+
+    def _set_active(self, active: bool) -> None:
+        if active != self.active:
+            self.active = active
+            logger.info("the learner made this peer %s", "active" if active else "standby")
+            if self.ctx.announcer is not None:
+                self.ctx.announcer.trigger()
 
     def _note_error(self, message: str) -> None:
         self.stats["rpc_errors"] += 1
@@ -98,8 +179,11 @@ class RolloutWorker:
                 self.follower.offer(reply.head)
             if isinstance(reply, LeaseWait):
                 self.stats["waits"] += 1
+                if reply.standby or self.active is not None:
+                    self._set_active(not reply.standby)
                 await _sleep(stop, reply.retry_s)
                 continue
+            self._set_active(True)
             if (self.engine_version or 0) < reply.min_version:
                 if not await self.follower.wait_for(reply.min_version, timeout=reply.deadline_s / 2):
                     self.stats["leases_abandoned"] += 1  # the learner re-issues it when it expires
@@ -126,14 +210,20 @@ class RolloutWorker:
         with self._lock:
             version = self.engine_version
             outputs = self.engine.generate([p.text for p in lease.prompts], params)
-        seconds = time.perf_counter() - started
         rollouts = len(lease.prompts) * spec.n
-        pace = self.config.worker.max_rollouts_per_s
-        if pace is not None and rollouts / pace > seconds:  # emulate a slower device
-            time.sleep(rollouts / pace - seconds)
-            seconds = rollouts / pace
+        seconds = self._pace(rollouts, time.perf_counter() - started)
         rate = rollouts / max(seconds, 1e-9)
-        self.rollouts_per_s = rate if self.rollouts_per_s is None else 0.8 * self.rollouts_per_s + 0.2 * rate
+        sampling = (spec.n, spec.max_new_tokens)
+        alpha = self.config.worker.ewma_alpha
+        if self.rollouts_per_s is None or sampling != self.sampling:  # other settings: start afresh
+            self.rollouts_per_s = rate
+        else:
+            self.rollouts_per_s = (1 - alpha) * self.rollouts_per_s + alpha * rate
+        self._leases_since_save += 1
+        if sampling != self.sampling or self._leases_since_save >= 20:
+            self.sampling = sampling
+            self._leases_since_save = 0
+            self._save_cache()
         self.stats["rollouts"] += rollouts
         assert version is not None
         return [
@@ -145,6 +235,14 @@ class RolloutWorker:
             )
             for prompt, completions in zip(lease.prompts, outputs)
         ]
+
+
+def _model_fingerprint(path: Path) -> str:
+    """The model's architecture (config.json), not its weights: throughput does not change with training."""
+    try:
+        return hashlib.sha256((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
+    except OSError:
+        return "unknown"
 
 
 async def _sleep(stop: asyncio.Event, seconds: float) -> None:

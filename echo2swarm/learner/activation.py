@@ -1,0 +1,170 @@
+"""The learner's closed loop over rollout capacity: measure, plan, gate leases.
+
+    every step ─► T_train (EWMA of learner busy time)        ┐
+    every submit ─► delivered µ per peer, L_gen (EWMAs)       ├─► every replan_period_s:
+    broadcast tracker ─► T_bcast (or activation.t_bcast_s)    │   live rollout cards (µ, price) ─► floor
+    peer cards ─► membership, self-measured µ, price          ┘   ─► ActivationController (hysteresis)
+                                                                  ─► active set; the rest get LeaseWait(standby)
+
+Until `min_steps` steps have measured T_train, or while no plan meets the floor, every peer is
+active: an idle learner costs more than an extra peer. Only peers that asked this learner for
+work are planned, so peers of another learner in the same swarm never count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from echo2swarm.config.rl import ActivationConfig, TrainConfig
+from echo2swarm.control.activation import ActivationController, Worker
+from echo2swarm.control.capacity import CapacityInputs, diagnose
+from echo2swarm.control.telemetry import Ewma
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class LearnerActivation:
+    """>>> act = LearnerActivation(ActivationConfig(), TrainConfig()); act.gate("12D3...") is None   # no plan yet: all active"""
+
+    def __init__(self, config: ActivationConfig, train: TrainConfig, t_bcast: Callable[[], float | None] = lambda: None):
+        self.config = config
+        self.train = train
+        self._t_bcast_source = t_bcast
+        self.t_train = Ewma(config.ewma_alpha)
+        self.l_gen = Ewma(config.ewma_alpha)
+        self.delivered: dict[str, Ewma] = {}
+        self.controller = ActivationController(config.hysteresis)
+        self.planned = False  # a plan is in force (else every peer may work)
+        self.workers: dict[str, Worker] = {}  # last census of planned peers
+        self.log: list[dict[str, Any]] = []
+        self.last_plan: dict[str, Any] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # -- measurements --------------------------------------------------------------------------
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.train.prompts_per_step * self.train.group_size
+
+    def t_bcast(self) -> float:
+        if self.config.t_bcast_s is not None:
+            return self.config.t_bcast_s
+        measured = self._t_bcast_source()
+        return float(measured) if measured is not None else 0.0
+
+    def on_step(self, busy_s: float) -> None:
+        self.t_train.add(busy_s)
+
+    def on_delivery(self, peer: str, rollouts: int, seconds: float) -> None:
+        if rollouts <= 0 or seconds <= 0:
+            return
+        self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(rollouts / seconds)
+        self.l_gen.add(seconds)
+
+    def inputs(self) -> CapacityInputs | None:
+        if self.t_train.value is None or self.t_train.samples < self.config.min_steps:
+            return None
+        return CapacityInputs(
+            rollouts_per_step=self.rollouts_per_step, t_train=max(self.t_train.value, 1e-6), t_bcast=self.t_bcast(),
+            staleness=self.train.staleness, publish_every=self.train.publish_every, gamma=self.config.gamma,
+            l_gen=self.l_gen.value or 0.0,
+        )
+
+    # -- gate ----------------------------------------------------------------------------------
+    def gate(self, peer: str) -> str | None:
+        """None if `peer` may get work now; else why it is on standby."""
+        if not self.config.enabled or not self.planned or peer in self.controller.active:
+            return None
+        floor = self.last_plan.get("floor")
+        return f"the active set meets the floor ({floor:.3g} rollouts/s) more cheaply" if floor else "not planned yet"
+
+    def active_price(self) -> float:
+        """USD per hour of the peers working now (every planned peer before the first plan)."""
+        ids = self.controller.active if self.planned else set(self.workers)
+        return sum(self.workers[p].price for p in ids if p in self.workers)
+
+    def active_count(self) -> int:
+        return len(self.controller.active) if self.planned else len(self.workers)
+
+    # -- loop ----------------------------------------------------------------------------------
+    def replan(self, cards: list[Any], seen: set[str]) -> None:
+        """One re-plan from the live cards; `seen` are the peers that asked this learner for work."""
+        workers = {}
+        for card in cards:
+            if card.role != "rollout" or card.state == "stopping" or card.peer_id not in seen:
+                continue
+            ewma = self.delivered.get(card.peer_id)
+            mu = ewma.value if ewma is not None and ewma.value is not None else card.rollouts_per_s
+            if mu is not None and mu > 0:
+                workers[card.peer_id] = Worker(card.peer_id, mu=float(mu), price=card.price)
+        self.workers = workers
+        inputs = self.inputs()
+        if not self.config.enabled or inputs is None:
+            return
+        floor = inputs.floor()
+        decision = self.controller.update(list(workers.values()), floor)
+        active = [workers[p] for p in decision.active]
+        total = sum(w.mu for w in active)
+        self.planned = decision.feasible
+        if not decision.feasible:
+            self.controller.active = set(workers)  # everyone works while the floor is out of reach
+        d = diagnose(inputs, sum(w.mu for w in workers.values()))
+        self.last_plan = {
+            "at": round(time.time(), 3), "floor": round(floor, 4), "active_mu": round(total, 4),
+            "active": decision.active, "standby": sorted(set(workers) - set(decision.active)),
+            "feasible": decision.feasible, "reason": decision.reason, "bubble_predicted": round(inputs.bubble_ratio(total), 4),
+            "problems": d.problems, "fixes": d.fixes,
+        }
+        if decision.activated or decision.deactivated:
+            entry = {"at": self.last_plan["at"], "activated": decision.activated, "deactivated": decision.deactivated,
+                     "reason": decision.reason}
+            self.log = [*self.log[-49:], entry]
+            logger.info("activation: +%s -%s (%s); %d active give %.1f rollouts/s for a floor of %.1f",
+                        [p[-8:] for p in decision.activated], [p[-8:] for p in decision.deactivated], decision.reason,
+                        len(active), total, floor)
+
+    async def run(self, stop: asyncio.Event, get_cards: Callable[[], Any], seen: Callable[[], set[str]]) -> None:
+        while not stop.is_set():
+            try:
+                cards, _ = await get_cards()
+                self.replan(cards, seen())
+            except Exception:  # a failed DHT read keeps the previous plan
+                logger.warning("re-plan failed; keeping the current active set", exc_info=True)
+            try:
+                await asyncio.wait_for(stop.wait(), self.config.replan_period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def ensure_running(self, stop: asyncio.Event, get_cards: Callable[[], Any], seen: Callable[[], set[str]]) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(stop, get_cards, seen))
+
+    # -- reporting -----------------------------------------------------------------------------
+    def step_metrics(self, step_s: float) -> dict[str, Any]:
+        return {
+            "cost_usd": round(self.active_price() * step_s / 3600.0, 8),
+            "active_peers": self.active_count(),
+            "active_price_per_h": round(self.active_price(), 4),
+            "t_train_s": None if self.t_train.value is None else round(self.t_train.value, 4),
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """What `/v1/info` shows under stats.capacity and `echo2swarm plan --initial-peers` plans from."""
+        return {
+            "enabled": self.config.enabled,
+            "planned": self.planned,
+            "rollouts_per_step": self.rollouts_per_step,
+            "t_train": None if self.t_train.value is None else round(self.t_train.value, 4),
+            "t_bcast": round(self.t_bcast(), 4),
+            "l_gen": None if self.l_gen.value is None else round(self.l_gen.value, 4),
+            "staleness": self.train.staleness,
+            "publish_every": self.train.publish_every,
+            "gamma": self.config.gamma,
+            "delivered_mu": {p: round(e.value, 3) for p, e in self.delivered.items() if e.value is not None},
+            "active": sorted(self.controller.active) if self.planned else sorted(self.workers),
+            "plan": self.last_plan,
+            "log": self.log[-20:],
+        }
