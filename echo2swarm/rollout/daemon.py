@@ -82,7 +82,8 @@ class FollowerService:
         worker = {}
         if self.worker is not None:
             worker = {"worker": dict(self.worker.stats), "rollouts_per_s": self.worker.rollouts_per_s,
-                      "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s}
+                      "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s,
+                      "engine": getattr(self.worker.engine, "name", None), "refit_s": self.worker.refit_s}
         return {
             **worker,
             "refused_heads": dict(self.follower.refused),

