@@ -120,6 +120,13 @@ class ChunkServerConfig(StrictModel):
         description="URL other peers use (http://host:port). None: derived from the bound port and overlay addresses.",
     )
     max_connections: int = Field(64, ge=1, description="Concurrent HTTP connections served at most.")
+    upload_slots: int = Field(
+        16, ge=1, le=1024, description="Chunk bodies uploaded at once at most (HTTP and libp2p); more get 'busy'."
+    )
+    wait_s: float = Field(
+        15.0, ge=0, le=300,
+        description="Seconds a request for a chunk this peer is still fetching is held until it arrives (pipelining).",
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one chunk response may take before it is cut.")
 
     @field_validator("public_url")
@@ -137,7 +144,17 @@ class FetchConfig(StrictModel):
     manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
     chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")
     parallel_chunks: int = Field(4, ge=1, le=64, description="Chunks in flight at once.")
-    attempts_per_chunk: int = Field(4, ge=1, description="Sources tried for one chunk before the version fetch fails.")
+    attempts_per_chunk: int = Field(
+        4, ge=1, description="Rounds over all known sources of one chunk before the version fetch fails."
+    )
+    peer_assist: bool = Field(
+        True, description="Fetch from other peers (plan parent, then any holder, learner last). Off: learner only."
+    )
+    source_wait_s: float = Field(
+        10.0, ge=0, le=300,
+        description="Seconds to wait on a peer that is itself still fetching a chunk before trying another source.",
+    )
+    stall_timeout_s: float = Field(15.0, gt=0, description="Seconds without a byte from a source before moving on.")
     retry_backoff_s: float = Field(1.0, ge=0, description="Base of the exponential back-off after a failed version fetch.")
     max_manifest_bytes: int = Field(16 * MiB, ge=1024, description="Largest manifest accepted, in bytes.")
     max_chunk_bytes: int = Field(64 * MiB, ge=1024, description="Largest chunk accepted, in bytes.")
@@ -158,6 +175,11 @@ class PublishConfig(StrictModel):
     model: Path | None = Field(None, description="Hugging Face model directory (safetensors) to publish and train.")
     policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
     chunk_size: int = Field(8 * MiB, description="Bytes per chunk (64 KiB .. 64 MiB); accepts '8MiB'.")
+    seeds: int = Field(
+        2, ge=1, le=16,
+        description="Peers the learner uploads each version to first (stripes of the broadcast plan); "
+        "the rest flows peer to peer along chains.",
+    )
 
     @field_validator("chunk_size", mode="before")
     @classmethod
@@ -174,6 +196,9 @@ class _DaemonBase(StrictModel):
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     price: float = Field(0.0, description="Advertised price of this peer in USD per hour (>= 0).")
+    upload_limit: int | None = Field(
+        None, description="Cap on this peer's total upload in bytes/s ('16MiB' accepted). None: unlimited."
+    )
     overlay: OverlayConfig = Field(default_factory=OverlayConfig)
     chunk_server: ChunkServerConfig = Field(default_factory=ChunkServerConfig)
 
@@ -185,6 +210,17 @@ class _DaemonBase(StrictModel):
         if v > 10_000:
             raise ValueError("price is USD per hour; values above 10000 are surely a typo")
         return v
+
+    @field_validator("upload_limit", mode="before")
+    @classmethod
+    def _rate(cls, v: object) -> int | None:
+        if v is None:
+            return None
+        text = v.strip().removesuffix("/s") if isinstance(v, str) else v
+        n = parse_bytes(text)  # type: ignore[arg-type]
+        if n < 64 * 1024:
+            raise ValueError("upload_limit is bytes per second and must be at least 64KiB (e.g. '16MiB')")
+        return n
 
     @field_validator("state_dir")
     @classmethod

@@ -15,6 +15,7 @@ work in flight at (S + 1) · R groups.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
 from echo2swarm.learner.activation import LearnerActivation
+from echo2swarm.learner.broadcast import BroadcastTracker
 from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
@@ -48,6 +50,10 @@ class LearnerService:
         self.publisher = Publisher(
             self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id
         )
+        self.broadcast = BroadcastTracker(
+            ctx.overlay, self.key, self.config.publish.seeds, refresh_s=min(2.0, self.config.overlay.announce_period_s / 2)
+        )
+        ctx.service.plan = self.broadcast.get_plan
         self.run_dir = Path(self.train.run_dir or Path(self.config.state_dir) / "run")
         self.published: PublishedVersion | None = None
         self.state = "starting"
@@ -88,6 +94,8 @@ class LearnerService:
         # Weights come from the trainer; a sharded model's index no longer applies to the single file we publish.
         self.extra_files = {p.name: p for p in model_files(model_dir)
                             if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}
+        with contextlib.suppress(Exception):  # followers already in the swarm get the first version by plan
+            self.broadcast.observe((await self.ctx.overlay.get_cards())[0])
         await self._publish()
         self.metrics = MetricsLog(self.run_dir)
         self.intake = Intake(
@@ -112,6 +120,7 @@ class LearnerService:
         weights = await asyncio.to_thread(self.trainer.weights_bytes)
         files: dict[str, Path | bytes] = {**self.extra_files, "model.safetensors": weights}
         self.published = await asyncio.to_thread(self.publisher.publish_files, files, self.version)
+        self.broadcast.plan(self.version)
         # Keep a few versions beyond the staleness window: a slow follower may still be fetching one.
         keep = max(self.config.store.keep_versions, self.train.staleness + 4)
         await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks, keep)
@@ -163,6 +172,15 @@ class LearnerService:
         assert self.intake is not None and self.metrics is not None
         intake, train = self.intake, self.train
         started = time.monotonic()
+        watcher = asyncio.create_task(self.broadcast.run(stop))
+        try:
+            await self._train(stop, started)
+        finally:
+            watcher.cancel()
+
+    async def _train(self, stop: asyncio.Event, started: float) -> None:
+        assert self.intake is not None and self.metrics is not None
+        intake, train = self.intake, self.train
         while self.steps_done < train.steps and not stop.is_set():
             self.activation.ensure_running(stop, self.ctx.overlay.get_cards, lambda: set(intake.seen))
             step_started = time.monotonic()
@@ -193,6 +211,7 @@ class LearnerService:
                 "step": self.steps_done, "version": trained_version, "published_version": intake.published_version,
                 "time_s": round(time.monotonic() - started, 3), **{k: _round(v) for k, v in stats.items()},
                 "t_publish_s": round(t_publish, 4), "wait_s": round(waited, 4),
+                "t_bcast_s": _round(self.broadcast.t_bcast_s),
                 "bubble_ratio": round(waited / max(1e-9, waited + busy), 4),
                 "bubble_ratio_total": round(self.wait_s / max(1e-9, self.wait_s + self.busy_s), 4),
                 "staleness": [trained_version - g.version for g in groups],
@@ -238,7 +257,8 @@ class LearnerService:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"published_version": self.published.version if self.published else None,
-                               "steps_done": self.steps_done}
+                               "steps_done": self.steps_done, "t_bcast_s": _round(self.broadcast.t_bcast_s),
+                               "t_bcast": {str(v): round(t, 3) for v, t in self.broadcast.t_bcast.items()}}
         if self.intake is not None:
             out.update(accepted=self.intake.accepted, refused=dict(self.intake.refused),
                        dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats))

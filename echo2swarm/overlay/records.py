@@ -21,6 +21,15 @@ class RecordError(ValueError):
     pass
 
 
+class Arrival(BaseModel):
+    """How long one policy version took to arrive at a peer: from first seeing its head to installed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: int = Field(ge=1, le=MAX_VERSION)
+    seconds: float = Field(ge=0, le=1e6, allow_inf_nan=False)
+
+
 class PeerCard(BaseModel):
     """What a daemon tells the swarm about itself; re-announced every announce period."""
 
@@ -34,6 +43,12 @@ class PeerCard(BaseModel):
     software: str = Field(max_length=32)
     maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
     chunk_url: str | None = Field(None, max_length=256)
+    upload_bps: int | None = Field(None, ge=0, le=10**12, description="upload cap in bytes/s; None: unlimited")
+    held: list[Annotated[int, Field(ge=1, le=MAX_VERSION)]] = Field(
+        default_factory=list, max_length=32, description="complete versions this peer serves"
+    )
+    fetching: int | None = Field(None, ge=1, le=MAX_VERSION, description="version being fetched (served as it arrives)")
+    arrivals: list[Arrival] = Field(default_factory=list, max_length=8, description="recent versions' arrival times")
     rollouts_per_s: float | None = Field(
         None, ge=0, le=1e7, allow_inf_nan=False, description="rollout: measured rollouts/s; None: not measured yet"
     )

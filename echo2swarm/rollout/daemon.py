@@ -35,7 +35,7 @@ class FollowerService:
             logger.warning("no --trust given: the first learner key seen in the swarm will be pinned")
         self.follower = PolicyFollower(
             ctx.overlay, config.fetch, config.store, self.trust, ctx.chunks, ctx.versions, ctx.session,
-            on_version=self._on_version,
+            on_version=self._on_version, on_state=self._announce_now, inflight=ctx.inflight,
         )
         self.worker = None
         if config.role == "rollout":
@@ -43,11 +43,14 @@ class FollowerService:
 
             self.worker = RolloutWorker(ctx, self.follower)
 
+    def _announce_now(self) -> None:
+        if self.ctx.announcer is not None:
+            self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
+
     async def _on_version(self, version: int, path: Path) -> None:
         if self.worker is not None:
             await self.worker.on_version(version, path)
-        if self.ctx.announcer is not None:
-            self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
+        self._announce_now()
 
     async def start(self) -> None:
         held = self.follower.held_version
@@ -76,7 +79,8 @@ class FollowerService:
         return {"rollouts_per_s": None if mu is None else round(mu, 3), "active": self.worker.active}
 
     def card_fields(self) -> dict[str, Any]:
-        return {**self._worker_fields(), "version": self.follower.held_version, "state": self.follower.state}
+        return {**self._worker_fields(), "version": self.follower.held_version, "state": self.follower.state,
+                "fetching": self.follower.fetching_version, "arrival_s": dict(self.follower.arrival_s)}
 
     def stats(self) -> dict[str, Any]:
         worker = {}
@@ -88,6 +92,8 @@ class FollowerService:
             **worker,
             "refused_heads": dict(self.follower.refused),
             "fetch": dict(self.follower.fetcher.stats),
+            "fetching_version": self.follower.fetching_version,
+            "fetched_from": dict(self.follower.fetcher.bytes_from),
             "arrival_s": {str(k): round(v, 3) for k, v in self.follower.arrival_s.items()},
             "trusted_key": self.trust.key.text if self.trust.key else None,
         }
