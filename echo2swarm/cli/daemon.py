@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from echo2swarm.cli._common import ROLES, fail, split_addrs
+from echo2swarm.rollout.engines.base import ENGINE_KINDS
 
 
 @click.command(context_settings={"max_content_width": 110})
@@ -28,6 +29,8 @@ from echo2swarm.cli._common import ROLES, fail, split_addrs
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, pinned trust, chunks, versions. Default: ~/.local/state/echo2swarm.")
 @click.option("--trust", metavar="KEY", help="Learner policy key to pin: KEY.pub path or 'ed25519:<hex>'.")
+@click.option("--engine", type=click.Choice(ENGINE_KINDS),
+              help="rollout: generation engine; auto (default) picks vllm when it imports, else transformers.")
 @click.option("--model", type=click.Path(path_type=Path), help="learner: Hugging Face model directory to publish.")
 @click.option("--policy-key", type=click.Path(dir_okay=False, path_type=Path), help="learner: key from `echo2swarm keygen`.")
 @click.option("--chunk-size", metavar="SIZE", help="learner: bytes per chunk, e.g. 8MiB.")
@@ -79,6 +82,7 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     }
     role_flags = {
         "trust": ("trust", ("rollout", "relay")),
+        "engine": ("engine.type", ("rollout",)),
         "peer_assist": ("fetch.peer_assist", ("rollout", "relay")),
         "model": ("publish.model", ("learner",)),
         "policy_key": ("publish.policy_key", ("learner",)),

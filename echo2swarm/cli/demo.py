@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from echo2swarm.rollout.engines.base import ENGINE_KINDS
+
 
 @click.command()
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -15,7 +17,8 @@ import click
 @click.option("--steps", type=click.IntRange(1), default=700, show_default=True, help="GRPO steps.")
 @click.option("--staleness", type=click.IntRange(0), default=1, show_default=True,
               help="S: rollouts of version x may train step t only if t - x <= S (0 = on-policy).")
-@click.option("--engine", type=click.Choice(["auto", "transformers"]), default="auto", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINE_KINDS), default="auto", show_default=True,
+              help="Rollout peers' engine; auto picks vllm when it imports, else transformers.")
 @click.option("--warmup-steps", type=click.IntRange(0), default=600, show_default=True,
               help="Supervised warm-up steps before RL (RL post-training starts from a supervised model).")
 @click.option("--reward-target", type=float, default=None, help="Stop once the 10-step mean reward reaches this.")
@@ -23,6 +26,13 @@ import click
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds allowed for training.")
 def demo(run_dir, rollout_peers, steps, staleness, engine, warmup_steps, reward_target, swarm, timeout) -> None:
     """Watch a swarm post-train a tiny model with GRPO: bootstrap + learner + rollout peers on this machine."""
+    from echo2swarm.cli._common import fail
+    from echo2swarm.rollout.engines import check_engine_installed
+
+    try:
+        check_engine_installed(engine)  # before minutes of warm-up, not when the rollout peers start
+    except ValueError as e:
+        fail(str(e))
     from echo2swarm.cli.demo_run import DemoOptions, run_demo
 
     options = DemoOptions(

@@ -84,6 +84,9 @@ class VLLMOptions(_Section):
     enforce_eager: bool | None = Field(
         None, description="Disable CUDA graphs / compilation. None: eager on CPUs, graphs on GPUs."
     )
+    block_size: int | None = Field(
+        None, ge=1, description="KV cache block in tokens, the prefix cache's unit. None: vLLM's (128 on CPUs)."
+    )
 
 
 class EngineConfig(_Section):

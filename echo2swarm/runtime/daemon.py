@@ -303,6 +303,10 @@ def preflight(config: Any) -> None:
         from echo2swarm.policy.signing import load_trusted_key
 
         load_trusted_key(config.trust)
+    if config.role == "rollout":
+        from echo2swarm.rollout.engines import check_engine_installed
+
+        check_engine_installed(config.engine.type)  # `--engine vllm` without vllm fails now, not at v1
 
 
 def run_daemon(config: Any) -> int:

@@ -27,7 +27,15 @@ __all__ = [
     "SamplingParams",
     "check_engine_installed",
     "make_engine",
+    "vllm_installed",
 ]
+
+
+def vllm_installed() -> bool:
+    """Whether a vllm package is installed (not imported: that takes seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    # A bare directory named vllm on sys.path is a namespace package with no origin, not vLLM.
+    return spec is not None and spec.origin is not None
 
 
 def check_engine_installed(kind: str) -> None:
@@ -38,7 +46,7 @@ def check_engine_installed(kind: str) -> None:
     """
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of: {', '.join(ENGINE_KINDS)}")
-    if kind == "vllm" and importlib.util.find_spec("vllm") is None:
+    if kind == "vllm" and not vllm_installed():
         from echo2swarm.rollout.engines.vllm import VLLM_INSTALL_HINT
 
         raise ValueError(f"engine 'vllm' was requested but vllm is not installed: {VLLM_INSTALL_HINT}")

@@ -106,6 +106,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
+        block_size: int | None = None,
         seed: int = 0,
     ):
         """
@@ -118,6 +119,7 @@ class VLLMEngine:
             gpu_memory_utilization: fraction of GPU memory vLLM may use when ``kv_cache_gib`` is None.
             max_model_len: longest prompt + completion; None: the model's own limit.
             enforce_eager: None: eager on CPUs (no compile step), CUDA graphs on GPUs.
+            block_size: KV cache block in tokens (the prefix cache's unit); None: vLLM's default.
             seed: vLLM's global seed (requests carry their own seeds; see ``generate``).
         """
         if max_batch_sequences < 1:
@@ -159,6 +161,8 @@ class VLLMEngine:
             options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
+        if block_size is not None:
+            options["block_size"] = block_size
         started = time.perf_counter()
         self._llm: Any = vllm.LLM(model=str(self.model_dir), **options)
         self._max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
@@ -197,9 +201,11 @@ class VLLMEngine:
         # every prompt the same noise (strongly correlated groups): spread the seeds n apart.
         base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
         base = random.Random(base).getrandbits(48)
+        # vLLM refuses n > 1 for greedy requests: all n would be the same anyway, so ask for one.
+        n = 1 if params.greedy else params.n
         requests = [
             VLLMSamplingParams(
-                n=params.n,
+                n=n,
                 max_tokens=params.max_new_tokens,
                 temperature=params.temperature,
                 top_p=1.0,
@@ -216,8 +222,9 @@ class VLLMEngine:
 
     def _completions(self, output: Any, params: SamplingParams) -> list[Completion]:
         samples = sorted(output.outputs, key=lambda c: c.index)
-        if len(samples) != params.n:
-            raise RuntimeError(f"vllm returned {len(samples)} samples for a prompt, expected {params.n}")
+        expected = 1 if params.greedy else params.n
+        if len(samples) != expected:
+            raise RuntimeError(f"vllm returned {len(samples)} samples for a prompt, expected {expected}")
         completions = []
         for sample in samples:
             tokens = [int(t) for t in sample.token_ids]
@@ -231,6 +238,9 @@ class VLLMEngine:
             else:
                 raise RuntimeError(f"vllm finished a sample with {sample.finish_reason!r}")
             completions.append(Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason))
+        if params.greedy:  # n equal copies, each its own object (callers may mutate one)
+            completions = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
+                           for c in completions * params.n]
         return completions
 
     # ------------------------------------------------------------------ weights

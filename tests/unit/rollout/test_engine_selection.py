@@ -4,17 +4,16 @@ checks that `auto` picks it."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 import pytest
 
 from echo2swarm.config.rl import EngineConfig
-from echo2swarm.rollout.engines import ENGINE_KINDS, check_engine_installed, make_engine
+from echo2swarm.rollout.engines import ENGINE_KINDS, check_engine_installed, make_engine, vllm_installed
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is not None, reason="vllm is installed here; tests/vllm covers this case"
+    vllm_installed(), reason="vllm is installed here; tests/vllm covers this case"
 )
 
 
