@@ -13,19 +13,32 @@ from echo2swarm.cli._common import fail, split_addrs
 def peers_table(view: dict[str, Any]) -> Any:
     from rich.table import Table
 
+    from echo2swarm.config.units import format_bytes
+
     heads = ", ".join(f"v{h['version']} by {h['public_key'][8:24]}" for h in view["heads"]) or "none"
-    table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers; policy head {heads}", title_justify="left")
+    t_bcast = [p["t_bcast_s"] for p in view["peers"] if p.get("t_bcast_s") is not None]
+    bcast = f"; T_bcast {t_bcast[0]:.2f}s" if t_bcast else ""
+    table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers; policy head {heads}{bcast}",
+                  title_justify="left")
     for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("rollouts/s", "right"),
-                            ("version", "right"), ("state", "left"), ("activation", "left"), ("last seen", "right")):
+                            ("version", "right"), ("state", "left"), ("activation", "left"), ("arrival", "right"),
+                            ("upload cap", "right"), ("last seen", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for p in view["peers"]:
         table.add_row(
             f"…{p['peer_id'][-12:]}", p["role"], f"{p['price']:.3f}",
             "-" if p.get("rollouts_per_s") is None else f"{p['rollouts_per_s']:.1f}",
-            "-" if p["version"] is None else str(p["version"]), p["state"], p.get("activation") or "-",
+            "-" if p["version"] is None else str(p["version"]), _state(p), p.get("activation") or "-",
+            "-" if p.get("arrival_s") is None else f"{p['arrival_s']:.2f}s",
+            "-" if p.get("upload_bps") is None else f"{format_bytes(p['upload_bps'])}/s",
             f"{p['last_seen']:.0f}s ago",
         )
     return table
+
+
+def _state(peer: dict[str, Any]) -> str:
+    fetching = peer.get("fetching")
+    return f"{peer['state']} (fetching v{fetching})" if fetching is not None else peer["state"]
 
 
 @click.command()
@@ -37,7 +50,7 @@ def peers_table(view: dict[str, Any]) -> Any:
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
 def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
-    """List the peers of a swarm: role, price, measured rollouts/s, policy version, state, active or standby, last seen.
+    """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, upload cap, last seen.
 
     \b
     echo2swarm peers --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3...

@@ -253,7 +253,9 @@ class LearnerService:
             logger.warning("no DHT peer accepted the head record for v%d", head.version)
 
     def card_fields(self) -> dict[str, Any]:
-        return {"version": self.published.version if self.published else None, "state": self.state}
+        t_bcast = self.broadcast.t_bcast_s
+        return {"version": self.published.version if self.published else None, "state": self.state,
+                "t_bcast_s": None if t_bcast is None else round(t_bcast, 3)}
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"published_version": self.published.version if self.published else None,

@@ -24,6 +24,11 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "rollouts_per_s": c.rollouts_per_s,
             # rollout peers the learner keeps on standby (cost-aware activation) get no leases
             "activation": None if c.active is None else ("active" if c.active else "standby"),
+            "upload_bps": c.upload_bps,
+            "fetching": c.fetching,
+            # how long the newest version this peer installed took to arrive (head seen -> installed)
+            "arrival_s": max(c.arrivals, key=lambda a: a.version).seconds if c.arrivals else None,
+            "t_bcast_s": c.t_bcast_s,
             "last_seen": round(max(0.0, now_ms - c.updated_ms) / 1000, 1),
             "software": c.software,
             "chunk_url": c.chunk_url,

@@ -49,6 +49,9 @@ class PeerCard(BaseModel):
     )
     fetching: int | None = Field(None, ge=1, le=MAX_VERSION, description="version being fetched (served as it arrives)")
     arrivals: list[Arrival] = Field(default_factory=list, max_length=8, description="recent versions' arrival times")
+    t_bcast_s: float | None = Field(
+        None, ge=0, le=1e6, allow_inf_nan=False, description="learner: time until every planned peer held a version (EWMA)"
+    )
     rollouts_per_s: float | None = Field(
         None, ge=0, le=1e7, allow_inf_nan=False, description="rollout: measured rollouts/s; None: not measured yet"
     )

@@ -99,8 +99,10 @@ class HttpSource:
                     raise SourceMissing(f"{self.name}{path}: not held")
                 if resp.status != 200:
                     raise SourceError(f"{self.name}{path}: HTTP {resp.status}")
-                if resp.content_length is not None and resp.content_length > max_bytes:
-                    raise SourceError(f"{self.name}{path}: {resp.content_length} bytes exceeds the {max_bytes} limit")
+                if resp.content_length is not None:
+                    if resp.content_length > max_bytes:
+                        raise SourceError(f"{self.name}{path}: {resp.content_length} bytes exceeds the {max_bytes} limit")
+                    return await resp.read()  # one buffer, no per-piece copies; aiohttp stops at Content-Length
                 buf = bytearray()
                 async for piece in resp.content.iter_chunked(1 << 16):
                     buf += piece

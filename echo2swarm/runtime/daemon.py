@@ -144,6 +144,7 @@ class Daemon:
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
             fetching=fields.get("fetching"),
             arrivals=[Arrival(version=v, seconds=round(t, 3)) for v, t in arrivals],
+            t_bcast_s=fields.get("t_bcast_s"),
             rollouts_per_s=fields.get("rollouts_per_s"),
             active=fields.get("active"),
             updated_ms=int(time.time() * 1000),

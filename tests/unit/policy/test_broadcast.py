@@ -1,0 +1,155 @@
+"""Broadcast plans, the upload limiter and the in-flight tracker: pure logic, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from echo2swarm.config.models import ChunkServerConfig, RelayConfig
+from echo2swarm.overlay.records import PeerCard, RecordError, parse_card
+from echo2swarm.policy.broadcast import PlanError, make_plan, plan_chains, verify_plan
+from echo2swarm.policy.limiter import RateLimiter
+from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
+from echo2swarm.policy.pipeline import InFlight
+from echo2swarm.policy.server import Busy, ChunkService
+from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.policy.store import ChunkStore, VersionStore
+
+LEARNER = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"
+PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFGH"]
+
+
+def test_chains_put_fast_uploaders_first_and_the_slowest_last():
+    receivers = [(PEERS[0], 10), (PEERS[1], 30), (PEERS[2], None), (PEERS[3], 20)]
+    chains = plan_chains(receivers, seeds=2)
+    assert chains == [[PEERS[1], PEERS[3], PEERS[0], PEERS[2]], [PEERS[3], PEERS[1], PEERS[0], PEERS[2]]]
+    for chain in chains:
+        assert sorted(chain) == sorted(p for p, _ in receivers)
+
+
+@pytest.mark.parametrize("n,seeds,stripes", [(0, 2, 0), (1, 2, 1), (2, 2, 1), (3, 2, 2), (8, 16, 7), (8, 1, 1)])
+def test_stripe_count_never_lets_the_tail_head_a_stripe(n: int, seeds: int, stripes: int):
+    chains = plan_chains([(p, 100) for p in PEERS[:n]], seeds)
+    assert len(chains) == stripes
+    if chains:
+        assert {chain[-1] for chain in chains} == {chains[0][-1]} or n <= 1
+
+
+def test_every_peer_has_one_parent_per_chunk_and_the_learner_feeds_each_stripe_once():
+    key = PolicyKey.generate()
+    plan = make_plan(key, "s", 3, LEARNER, [(p, 100) for p in PEERS[:5]], seeds=2)
+    for index in range(10):
+        parents = {peer: plan.parent(peer, index) for peer in PEERS[:5]}
+        assert list(parents.values()).count(LEARNER) == 1  # one seed per chunk
+        assert all(parent != peer for peer, parent in parents.items())
+    assert plan.parent(PEERS[7], 0) is None  # joined after the plan: holders only
+
+
+def test_a_plan_verifies_only_with_its_key_swarm_version_and_publisher():
+    key = PolicyKey.generate()
+    data = make_plan(key, "s", 3, LEARNER, [(PEERS[0], None)], seeds=2).to_bytes()
+    assert verify_plan(data, trusted=key.public, swarm="s", version=3, publisher=LEARNER).stripes == [[PEERS[0]]]
+    with pytest.raises(PlanError, match="trusted learner key"):
+        verify_plan(data, trusted=PolicyKey.generate().public, swarm="s", version=3, publisher=LEARNER)
+    with pytest.raises(PlanError, match="not the head"):
+        verify_plan(data, trusted=key.public, swarm="s", version=4, publisher=LEARNER)
+    tampered = data.replace(PEERS[0].encode(), PEERS[1].encode())
+    with pytest.raises(PlanError, match="signature"):
+        verify_plan(tampered, trusted=key.public, swarm="s", version=3, publisher=LEARNER)
+    with pytest.raises(PlanError, match="malformed"):
+        verify_plan(b"{not json", trusted=key.public, swarm="s", version=3, publisher=LEARNER)
+    with pytest.raises(PlanError, match="exceeds"):
+        verify_plan(b" " * (300 * 1024), trusted=key.public, swarm="s", version=3, publisher=LEARNER)
+
+
+def test_the_limiter_holds_the_rate_over_concurrent_writers():
+    async def scenario() -> float:
+        limiter = RateLimiter(2 * 1024 * 1024, burst=64 * 1024)
+
+        async def writer() -> None:
+            for _ in range(8):
+                await limiter.take(64 * 1024)
+
+        started = time.monotonic()
+        await asyncio.gather(*(writer() for _ in range(4)))  # 2 MiB in all
+        return time.monotonic() - started
+
+    elapsed = asyncio.run(scenario())
+    assert elapsed >= 0.9, f"2 MiB at 2 MiB/s (less one burst) took only {elapsed:.2f} s"
+
+
+def test_an_unlimited_limiter_never_waits_and_rates_are_validated():
+    limiter = RateLimiter(None)
+    asyncio.run(limiter.take(10**9))
+    assert limiter.bytes_total == 10**9
+    with pytest.raises(ValueError):
+        RateLimiter(0)
+
+
+def _manifest(shas: list[str]) -> Manifest:
+    return Manifest(
+        swarm="s", version=2, created_ms=1, chunk_size=1024,
+        files=[FileEntry(name="model.safetensors", size=1024 * len(shas), sha256="0" * 64,
+                         chunks=[ChunkRef(sha256=s, size=1024) for s in shas])],
+    )
+
+
+def test_a_waiting_request_is_released_when_its_chunk_arrives_and_not_before():
+    async def scenario() -> tuple[bool, float]:
+        inflight = InFlight()
+        a, b = "a" * 64, "b" * 64
+        inflight.begin(_manifest([a, b]), b"{}", held={a})
+        waiter = asyncio.create_task(inflight.wait(b, 5.0))
+        await asyncio.sleep(0.05)
+        early = waiter.done()
+        started = time.monotonic()
+        inflight.arrived(b)
+        await waiter
+        return early, time.monotonic() - started
+
+    early, latency = asyncio.run(scenario())
+    assert not early and latency < 0.5
+
+
+def test_a_request_for_a_newer_version_pokes_the_follower_and_gives_up_at_its_deadline():
+    async def scenario() -> tuple[int, float]:
+        pokes = []
+        inflight = InFlight(poke=lambda: pokes.append(1))
+        started = time.monotonic()
+        await inflight.wait("c" * 64, 0.2, newer_than=1, version=2)
+        return len(pokes), time.monotonic() - started
+
+    pokes, elapsed = asyncio.run(scenario())
+    assert pokes == 1 and 0.15 <= elapsed < 2
+
+
+def test_upload_slots_refuse_beyond_the_cap(tmp_path):
+    service = ChunkService(ChunkServerConfig(upload_slots=1), ChunkStore(tmp_path), VersionStore(tmp_path))
+    with service.upload_slot():
+        with pytest.raises(Busy):
+            with service.upload_slot():
+                pass
+    with service.upload_slot():  # released
+        pass
+    assert service.stats["refused_busy"] == 1
+
+
+def test_upload_limit_accepts_human_rates_and_refuses_nonsense():
+    assert RelayConfig(upload_limit="16MiB/s").upload_limit == 16 * 1024 * 1024
+    assert RelayConfig(upload_limit="1 MB").upload_limit == 1_000_000
+    for bad in ("fast", "-1", "1KiB"):
+        with pytest.raises(ValueError, match="upload_limit|byte size"):
+            RelayConfig(upload_limit=bad)
+
+
+def test_cards_bound_what_they_advertise():
+    base = dict(peer_id=LEARNER, role="relay", price=0.0, state="ready", software="0", updated_ms=1)
+    card = parse_card({**base, "held": [1, 2], "fetching": 3, "arrivals": [{"version": 2, "seconds": 1.5}],
+                       "upload_bps": 1 << 24})
+    assert isinstance(card, PeerCard) and card.arrivals[0].seconds == 1.5
+    for bad in ({"held": list(range(1, 40))}, {"arrivals": [{"version": 0, "seconds": 1.0}]},
+                {"arrivals": [{"version": 1, "seconds": float("nan")}]}, {"fetching": 0}, {"upload_bps": -1}):
+        with pytest.raises(RecordError):
+            parse_card({**base, **bad})
