@@ -153,6 +153,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one broadcast may take")
     parser.add_argument("--png", type=Path, help="write a plot of T_bcast vs N here")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    parser.add_argument("--keep", type=Path, help="run in this directory and keep the daemons' logs and state")
     args = parser.parse_args()
     try:
         receivers = [int(x) for x in args.receivers.split(",") if x]
@@ -166,6 +167,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench-bcast-") as tmp:
         tmp_path = Path(tmp)
+        if args.keep:
+            tmp_path = args.keep
+            tmp_path.mkdir(parents=True, exist_ok=False)
         model = tmp_path / "model"
         model_bytes = write_model(model, target)
         key = tmp_path / "learner.key"
