@@ -38,9 +38,9 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(VLLM_STAMP)
 
-# ECHO2SWARM_REQUIRE_VLLM turns "vllm not importable" from a skip into a failure.
+# REQUIRE_VLLM turns "vllm not importable" from a skip into a failure.
 test-vllm: $(VLLM_STAMP)
-	ECHO2SWARM_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -m vllm
+	REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q

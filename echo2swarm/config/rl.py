@@ -70,7 +70,7 @@ class VLLMOptions(_Section):
     """Settings only the vLLM engine reads (`[engine.vllm]`); the transformers engine ignores them."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations dtype. auto: the checkpoint's (float32 for the tiny model)."
+        "auto", description="Weights and activations dtype. auto: the checkpoint's own, float32 included."
     )
     kv_cache_gib: float | None = Field(
         None, gt=0, description="KV cache size in GiB. None: gpu_memory_utilization on GPUs, 1 GiB on CPUs."

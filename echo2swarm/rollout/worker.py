@@ -183,14 +183,24 @@ class RolloutWorker:
                 self.stats["waits"] += 1
                 if reply.standby or self.active is not None:
                     self._set_active(not reply.standby)
+                waited = time.perf_counter()
                 await _sleep(stop, reply.retry_s)
+                self.stats["wait_s"] += time.perf_counter() - waited  # idle for lack of work, not our overhead
                 continue
             self._set_active(True)
             if (self.engine_version or 0) < reply.min_version:
                 if not await self.follower.wait_for(reply.min_version, timeout=reply.deadline_s / 2):
                     self.stats["leases_abandoned"] += 1  # the learner re-issues it when it expires
                     continue
-            groups = await asyncio.to_thread(self._generate, reply)
+            try:
+                groups = await asyncio.to_thread(self._generate, reply)
+            except ValueError as e:  # a lease this engine cannot serve (e.g. vLLM and top_p < 1)
+                self.stats["leases_abandoned"] += 1
+                if str(e) != self._last_error:  # once per distinct problem, not per lease
+                    logger.error("cannot generate for this learner's leases: %s", e)
+                    self._last_error = str(e)
+                await _sleep(stop, cfg.idle_retry_s)
+                continue
             try:
                 result = await call_client_stream(
                     self.ctx.overlay.p2p, learner, rpc_name(swarm, "submit"), groups, SubmitResult, cfg.rpc_timeout_s
@@ -227,6 +237,7 @@ class RolloutWorker:
             self._leases_since_save = 0
             self._save_cache()
         self.stats["rollouts"] += rollouts
+        self.stats["tokens"] += sum(len(c.token_ids) for group in outputs for c in group)
         assert version is not None
         return [
             GroupSubmission(

@@ -2,8 +2,10 @@
 
 Not named tests/vllm: the root conftest puts tests/ on sys.path, and a vllm/ folder there is
 a namespace package that `importlib.util.find_spec("vllm")` would mistake for vLLM.
-Where vllm does not import, these tests skip, unless ECHO2SWARM_REQUIRE_VLLM=1 (set by
+Where vllm does not import, these tests skip, unless REQUIRE_VLLM=1 (set by
 `make test-vllm`): then a broken vLLM install fails the run instead of passing it silently.
+(Not ECHO2SWARM_*: daemons refuse ECHO2SWARM_ variables that name no config field, and the
+demo test's daemons inherit this environment.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,6 @@ def vllm_importable() -> None:
     try:
         import_vllm()
     except ImportError as e:
-        if os.environ.get("ECHO2SWARM_REQUIRE_VLLM") == "1":
-            pytest.fail(f"ECHO2SWARM_REQUIRE_VLLM=1 but {e}")
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            pytest.fail(f"REQUIRE_VLLM=1 but {e}")
         pytest.skip(str(e))

@@ -74,10 +74,10 @@ def engine(model_dirs: dict[str, Path]) -> Iterator[Engine]:
     previous = engines_logger.level
     engines_logger.setLevel(logging.INFO)
     try:
-        # Blocks of 32 tokens (the CPU backend's smallest), so that the long prompt of the refit
-        # test fills two prefix-cache blocks.
-        built = make_engine("auto", model_dirs["seed0"],
-                            vllm_options={"dtype": "float32", "kv_cache_gib": 0.25, "block_size": 32})
+        # dtype left at "auto": the float32 checkpoint must run in float32 (vLLM's own auto would
+        # pick bfloat16 and no logprob would match). Blocks of 32 tokens (the CPU backend's
+        # smallest), so that the long prompt of the refit test fills two prefix-cache blocks.
+        built = make_engine("auto", model_dirs["seed0"], vllm_options={"kv_cache_gib": 0.25, "block_size": 32})
     finally:
         engines_logger.removeHandler(lines)
         engines_logger.setLevel(previous)

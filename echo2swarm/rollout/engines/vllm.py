@@ -114,7 +114,9 @@ class VLLMEngine:
             model_dir: an HF model directory (config, tokenizer, ``*.safetensors``).
             threads: torch threads while vLLM runs on a CPU; None leaves vLLM's choice.
             max_batch_sequences: most sequences vLLM schedules at once (``max_num_seqs``).
-            dtype: vLLM dtype (``auto``: the checkpoint's; ``float32`` for bit-level checks on CPU).
+            dtype: ``auto``: the checkpoint's own dtype, float32 included (vLLM's ``auto`` would
+                run a float32 checkpoint in half precision, and the learner's logprobs would
+                then disagree with the behaviour logprobs); or ``float32``/``bfloat16``/``float16``.
             kv_cache_gib: KV cache size; None: ``gpu_memory_utilization`` on GPUs, 1 GiB on CPUs.
             gpu_memory_utilization: fraction of GPU memory vLLM may use when ``kv_cache_gib`` is None.
             max_model_len: longest prompt + completion; None: the model's own limit.
@@ -148,7 +150,7 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self._eos_ids = sorted(_eos_ids(self.model_dir, self.tokenizer))
         options: dict[str, Any] = dict(
-            dtype=dtype,
+            dtype=_checkpoint_dtype(self.model_dir) if dtype == "auto" else dtype,
             seed=seed,
             enforce_eager=enforce_eager,
             max_num_seqs=max_batch_sequences,
@@ -308,6 +310,15 @@ def _retie_output_heads(model: Any, pairs: list[tuple[str, str]]) -> None:
         # On CPUs the head multiplies with a packed copy of its weight made at load time: repack
         # it from the (new) shared tensor. A no-op for unquantized heads on GPUs.
         head.quant_method.process_weights_after_loading(head)
+
+
+def _checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype config.json records for the weights; "auto" (vLLM's choice) when it records none."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    recorded = config.get("dtype") or config.get("torch_dtype")
+    return recorded if recorded in ("float32", "bfloat16", "float16") else "auto"
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> set[int]:

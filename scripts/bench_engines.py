@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Rollout engines, bare and through the swarm, in one invocation.
+
+    python scripts/bench_engines.py [--engines transformers,vllm] [--seconds 20] [--publish-every 1]
+
+1. Bare engines: each engine, in a process of its own, generates lease-sized batches (arith
+   prompts x group size, temperature 1) for --seconds: completion tokens/s.
+2. The same engine inside a rollout peer: bootstrap + learner (GRPO, a signed version every
+   --publish-every steps) + one rollout peer on 127.0.0.1. The peer's tokens/s is read from its
+   own counters over --seconds, after a few leases of start-up; it includes leases, submits,
+   fetching and verifying versions, and the in-place weight refits.
+
+Fairness on a small machine: every measured engine runs alone on one core, the same core in both
+parts (the learner, the bootstrap node and the bench itself are pinned to the other), with one
+thread (OMP_NUM_THREADS=1). A learner on one core can train slower than a fast engine generates;
+the peer is then told to wait for work. Those seconds are the learner's limit, not the peer's
+overhead, so the table shows them (idle s) and the peer's rate over the rest of the window
+(busy tokens/s) next to its rate over the whole window.
+
+Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ENGINE_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+@contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """Run the body (and every process it starts) on `cpus`; None: leave affinity alone."""
+    if cpus is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs in its own process: the engine generates lease-sized batches for args.seconds."""
+    from echo2swarm.rollout.engines import SamplingParams, make_engine
+    from echo2swarm.tasks.registry import get_task
+
+    started = time.perf_counter()
+    engine = make_engine(kind, model_dir, threads=1, max_batch_sequences=args.prompts * args.group_size,
+                         vllm_options={"kv_cache_gib": args.kv_cache_gib})
+    build_s = time.perf_counter() - started
+    task = get_task("arith", seed=0)
+    cursor = 0
+
+    def batch(seed: int) -> tuple[int, int]:
+        nonlocal cursor
+        prompts = [task.prompt(cursor + i).text for i in range(args.prompts)]
+        cursor += args.prompts
+        groups = engine.generate(prompts, SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens,
+                                                          temperature=1.0, seed=seed))
+        return sum(len(c.token_ids) for g in groups for c in g), sum(len(g) for g in groups)
+
+    for seed in range(args.warmup_batches):
+        batch(seed)
+    tokens = rollouts = calls = 0
+    started = time.perf_counter()
+    while time.perf_counter() - started < args.seconds:
+        t, r = batch(1000 + calls)
+        tokens, rollouts, calls = tokens + t, rollouts + r, calls + 1
+    seconds = time.perf_counter() - started
+    engine.close()
+    return {"engine": engine.name, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
+            "batches": calls, "seconds": seconds, "build_s": build_s}
+
+
+def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--bare", kind, "--model", str(model_dir), *args.passthrough]
+    with pinned(cpus):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                                env={**os.environ, **ENGINE_ENV}, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"bare {kind} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _info(daemon: Any) -> dict[str, Any]:
+    with urllib.request.urlopen(daemon.info["chunk_url"] + "/v1/info", timeout=5) as reply:
+        return json.loads(reply.read())["stats"]
+
+
+def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespace,
+              cpus: tuple[set[int], set[int]] | None) -> dict[str, Any]:
+    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.runtime.processes import DaemonProcess, loopback_args, wait_until
+
+    run_dir.mkdir(parents=True)
+    key = run_dir / "learner.key"
+    PolicyKey.generate().save(key)
+    config = run_dir / "learner.toml"
+    config.write_text(
+        f'role = "learner"\n[publish]\nmodel = "{model_dir}"\npolicy_key = "{key}"\n'
+        f'[train]\ntask = "arith"\nsteps = 100000\nstaleness = {args.staleness}\n'
+        f"publish_every = {args.publish_every}\nprompts_per_step = {2 * args.prompts}\n"
+        f"group_size = {args.group_size}\nmax_new_tokens = {args.max_new_tokens}\nthreads = 1\n"
+        f"checkpoint_every = 100000\n[leases]\nmax_prompts = {args.prompts}\n"
+    )
+    common = loopback_args("bench-engines", "WARNING")
+    learner_cpus, peer_cpus = cpus if cpus is not None else (None, None)
+    daemons: list[DaemonProcess] = []
+    try:
+        with pinned(learner_cpus):
+            boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap")
+            daemons.append(boot.start())
+            boot.wait_ready(60)
+            join = ["--initial-peers", boot.maddr]
+            learner = DaemonProcess("learner", [*common, *join, "--config", str(config)], run_dir / "learner",
+                                    env={"OMP_NUM_THREADS": "1"})
+            daemons.append(learner.start())
+        with pinned(peer_cpus):
+            peer = DaemonProcess(
+                "rollout", [*common, *join, "--role", "rollout", "--engine", kind, "--trust", f"{key}.pub"],
+                run_dir / "rollout",
+                env={**ENGINE_ENV, "ECHO2SWARM_ENGINE__THREADS": "1",
+                     "ECHO2SWARM_ENGINE__MAX_BATCH_SEQUENCES": str(args.prompts * args.group_size),
+                     "ECHO2SWARM_ENGINE__VLLM__KV_CACHE_GIB": str(args.kv_cache_gib)},
+            )
+            daemons.append(peer.start())
+        learner.wait_ready(120)
+        peer.wait_ready(120)
+        skip = args.warmup_batches * args.prompts * args.group_size
+        wait_until(lambda: _info(peer).get("worker", {}).get("rollouts", 0) >= skip, args.timeout,
+                   interval=0.5, what=f"{kind} peer to generate {skip} rollouts")
+        first, t1 = _info(peer), time.perf_counter()
+        time.sleep(args.seconds)  # the measurement window itself, not a wait for a condition
+        last, t2 = _info(peer), time.perf_counter()
+        learner_stats = _info(learner)
+    finally:
+        for d in reversed(daemons):
+            d.terminate()
+    seconds = t2 - t1
+    worker_first, worker_last = first.get("worker", {}), last.get("worker", {})
+    delta = lambda name: worker_last.get(name, 0) - worker_first.get(name, 0)  # noqa: E731
+    busy = seconds - delta("wait_s")
+    return {"engine": last.get("engine"), "tokens_per_s": delta("tokens") / seconds,
+            "busy_tokens_per_s": delta("tokens") / busy, "wait_s": delta("wait_s"),
+            "rollouts_per_s": delta("rollouts") / seconds, "seconds": seconds, "waits": delta("waits"),
+            "versions": (last.get("engine_version") or 0) - (first.get("engine_version") or 0),
+            "refit_s": last.get("refit_s"), "learner_version": learner_stats.get("published_version")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated; default: transformers, plus vllm where it imports")
+    parser.add_argument("--seconds", type=float, default=20.0, help="measurement window of each run")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per batch (= per lease)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--warmup-batches", type=int, default=3, help="batches (leases) left out of the rate")
+    parser.add_argument("--publish-every", type=int, default=1, help="kappa of the swarm's learner")
+    parser.add_argument("--staleness", type=int, default=2, help="S of the swarm's learner")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="vLLM KV cache (CPU)")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
+    parser.add_argument("--bare", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.passthrough = [f"--seconds={args.seconds}", f"--prompts={args.prompts}", f"--group-size={args.group_size}",
+                        f"--max-new-tokens={args.max_new_tokens}", f"--warmup-batches={args.warmup_batches}",
+                        f"--kv-cache-gib={args.kv_cache_gib}"]
+    if args.bare:
+        print(json.dumps(bare(args.bare, args.model, args)))
+        return
+
+    from echo2swarm.models.tiny import write_tiny_model
+    from echo2swarm.rollout.engines import vllm_installed
+
+    engines = args.engines.split(",") if args.engines else ["transformers", *(["vllm"] if vllm_installed() else [])]
+    cores = sorted(os.sched_getaffinity(0))
+    split = None if args.no_pin or len(cores) < 2 else ({cores[0]}, {cores[-1]})
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp, pinned(split[0] if split else None):
+        model_dir = write_tiny_model(Path(tmp) / "model", seed=0)
+        for kind in engines:
+            results[kind] = {"bare": run_bare(kind, model_dir, args, split[1] if split else None)}
+        for kind in engines:
+            results[kind]["swarm"] = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}", args, split)
+
+    where = f"each engine alone on core {split[1]}" if split else "unpinned"
+    print(f"\nrollout engines on the tiny Qwen3 (float32): {args.prompts} arith prompts x {args.group_size} samples x "
+          f"<= {args.max_new_tokens} new tokens per batch/lease, T=1; {args.seconds:.0f} s windows; "
+          f"{os.cpu_count()} CPU cores, {where}, 1 thread")
+    print(f"{'engine':<14}{'run':<34}{'tokens/s':>10}{'busy tokens/s':>15}{'idle s':>8}{'versions':>10}"
+          f"{'refit ms':>10}")
+    for kind in engines:
+        b, s = results[kind]["bare"], results[kind]["swarm"]
+        print(f"{kind:<14}{'bare engine':<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}")
+        label = f"rollout peer, swarm (kappa={args.publish_every}, S={args.staleness})"
+        refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
+        print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}{s['wait_s']:>8.1f}"
+              f"{s['versions']:>10}{refit:>10}")
+    if "vllm" in results and "transformers" in results:
+        ratio = results["vllm"]["bare"]["tokens_per_s"] / results["transformers"]["bare"]["tokens_per_s"]
+        print(f"vllm / transformers, bare tokens/s: {ratio:.2f}")
+    for kind in engines:
+        s, b = results[kind]["swarm"], results[kind]["bare"]["tokens_per_s"]
+        print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
+              f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}")
+
+
+if __name__ == "__main__":
+    main()

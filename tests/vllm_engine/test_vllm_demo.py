@@ -1,0 +1,33 @@
+"""`echo2swarm demo --engine vllm`: the swarm learns with vLLM rollout peers, as with transformers."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from helpers.swarm import read_metrics, run_cli
+
+pytestmark = [pytest.mark.vllm, pytest.mark.swarm, pytest.mark.timeout(900)]
+
+
+def test_demo_learns_with_vllm_peers(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    result = run_cli("demo", "--engine", "vllm", "--run-dir", str(run_dir), "--steps", "200", "--warmup-steps", "700",
+                     "--timeout", "600", timeout=880)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    print(result.stdout[-2500:])
+    records = read_metrics(run_dir / "learner" / "run" / "metrics.jsonl")
+    assert len(records) == 200
+    first = sum(r["reward_mean"] for r in records[:20]) / 20
+    last = sum(r["reward_mean"] for r in records[-20:]) / 20
+    assert last - first >= 0.1, f"mean reward of the first 20 steps {first:.3f}, of the last 20 {last:.3f}"
+    assert len(records[-1]["delivered"]) == 2  # both peers contributed
+    for peer in ("rollout-1", "rollout-2"):
+        log = (run_dir / peer / "daemon.log").read_text()
+        assert "rollout engine: vllm (asked for 'vllm')" in log
+        # Every version after the first was swapped into the running engine, never a rebuilt one.
+        assert log.count("vllm engine: ") == 1, log[-2000:]
+        refits = [float(s) for s in re.findall(r"reloaded \d+ tensors from \S+ in place in ([\d.]+) s", log)]
+        assert len(refits) >= 100, len(refits)
+        print(f"{peer}: {len(refits)} in-place refits, median {sorted(refits)[len(refits) // 2] * 1000:.0f} ms")
