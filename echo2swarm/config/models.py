@@ -218,8 +218,8 @@ class _DaemonBase(StrictModel):
             return None
         text = v.strip().removesuffix("/s") if isinstance(v, str) else v
         n = parse_bytes(text)  # type: ignore[arg-type]
-        if n < 64 * 1024:
-            raise ValueError("upload_limit is bytes per second and must be at least 64KiB (e.g. '16MiB')")
+        if not 64 * 1024 <= n <= 10**12:
+            raise ValueError("upload_limit is bytes per second, between 64KiB and 1TB (e.g. '16MiB')")
         return n
 
     @field_validator("state_dir")

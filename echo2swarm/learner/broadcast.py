@@ -3,9 +3,10 @@
     publish v ─► plan(v): chains over the follower cards seen lately, signed ─► served at /v1/plan/v
     cards (every refresh) ─► arrivals of v at every peer of plan(v) ─► T_bcast(v) = the slowest one
 
-T_bcast(v) is the time until every peer the plan covered holds v, as the peers report it (from
-seeing the head to installed: durations, so no clock sync between machines is assumed). Peers
-that left meanwhile are not waited for. The capacity model reads `t_bcast_s` (EWMA).
+T_bcast(v) is the time until every peer the plan covered holds v (or a newer version it skipped
+to), as the peers report it (from seeing the head to installed: durations, so no clock sync
+between machines is assumed). Peers that left or went to standby meanwhile are not waited for.
+The capacity model reads `t_bcast_s` (EWMA).
 """
 
 from __future__ import annotations
@@ -57,25 +58,30 @@ class BroadcastTracker:
         return self.plans.get(version)
 
     def observe(self, cards: list[PeerCard]) -> None:
-        """Update T_bcast from fresh cards: a version is complete once every live receiver reports it."""
+        """Update T_bcast from fresh cards: v is complete once every live planned peer holds v or newer.
+
+        A peer that skipped v (it was busy fetching v-1 when v appeared) counts with the first
+        newer version it installed: a version that nobody fetches is not a reason to never measure.
+        Standby rollout peers are not waited for (T_bcast is about the active set).
+        """
         self.cards = cards
-        live = {c.peer_id: c for c in self.followers()}
+        live = {c.peer_id: c for c in self.followers() if c.active is not False}
         for version, receivers in list(self._receivers.items()):
-            if version in self.t_bcast or not receivers:
+            if version in self.t_bcast:
                 continue
-            waiting = [p for p in receivers if p in live]
-            arrivals = []
-            for peer in waiting:
-                seconds = next((a.seconds for a in live[peer].arrivals if a.version == version), None)
-                if seconds is None:
+            waiting = [live[p] for p in receivers if p in live]
+            worst: float | None = None
+            for card in waiting:
+                later = [a for a in card.arrivals if a.version >= version]
+                if not later:
+                    worst = None
                     break
-                arrivals.append(seconds)
-            else:
-                if arrivals:
-                    self.t_bcast[version] = max(arrivals)
-                    self.t_bcast_s = max(arrivals) if self.t_bcast_s is None else \
-                        (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * max(arrivals)
-                    logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, max(arrivals), len(arrivals))
+                seconds = min(later, key=lambda a: a.version).seconds
+                worst = seconds if worst is None else max(worst, seconds)
+            if worst is not None:
+                self.t_bcast[version] = worst
+                self.t_bcast_s = worst if self.t_bcast_s is None else (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * worst
+                logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, worst, len(waiting))
         while len(self.t_bcast) > KEEP_PLANS:
             self.t_bcast.popitem(last=False)
 

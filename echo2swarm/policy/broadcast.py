@@ -9,8 +9,9 @@ learner's uplink stays near one model's worth per version however many peers the
 version reaches the last peer about (M + depth·chunk)/B after publication instead of N·M/B.
 
 Chains are ordered by advertised upload bandwidth, fastest first: every peer but the last uploads
-the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers of unknown
-bandwidth come after the known ones. The plan is a hint, signed by the policy key so that nobody
+the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers without a
+cap (`upload_bps` null) count as fastest. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
+which keeps it far below MAX_PLAN_BYTES; the rest fetch from holders. The plan is a hint, signed by the policy key so that nobody
 else can steer the swarm's traffic; fetchers fall back to any holder (learner last) when their
 parent is slow, gone or lying, and peers that joined after publication use holders only.
 """
@@ -27,6 +28,7 @@ from echo2swarm.overlay.records import MAX_VERSION
 from echo2swarm.policy.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
 
 MAX_PLAN_BYTES = 256 * 1024
+MAX_PLAN_ENTRIES = 4096  # stripes x peers; at ~55 bytes per peer id this stays under MAX_PLAN_BYTES
 _PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 
 
@@ -67,11 +69,12 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int) -> list
     """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most.
 
     >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2)
-    [['b', 'a', 'c'], ['a', 'b', 'c']]
+    [['c', 'b', 'a'], ['b', 'c', 'a']]
     """
-    known = sorted((r for r in receivers if r[1] is not None), key=lambda r: (-(r[1] or 0), r[0]))
-    unknown = sorted((r for r in receivers if r[1] is None), key=lambda r: r[0])
-    order = [peer for peer, _ in known + unknown]
+    # None is an uncapped uplink (the card's meaning): those peers go first, then capped ones, fastest first.
+    uncapped = sorted((r for r in receivers if r[1] is None), key=lambda r: r[0])
+    capped = sorted((r for r in receivers if r[1] is not None), key=lambda r: (-(r[1] or 0), r[0]))
+    order = [peer for peer, _ in uncapped + capped][: MAX_PLAN_ENTRIES // max(1, seeds)]
     if not order:
         return []
     # The tail uploads nothing; with as many stripes as peers it would also head one, so keep it out.

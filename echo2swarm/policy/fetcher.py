@@ -1,6 +1,6 @@
 """Fetching a version: the manifest, then every missing chunk, each verified before it is stored.
 
-    route(i) ──► [plan parent, holders, peers still fetching, learner last] ──► PolicyFetcher
+    route(i) ──► [plan parent (may hold the request until it has chunk i), holders, learner last] ──► PolicyFetcher
         manifest: first source whose bytes match the head's sha256 and the pinned signature
         chunks:   `parallel_chunks` in flight, in manifest order (so chains pipeline); each chunk
                   tries its route in order, moves on when a source is busy, missing the chunk,
@@ -30,6 +30,7 @@ from echo2swarm.policy.store import ChunkHashError, ChunkStore
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+CONNECT_TIMEOUT_S = 10.0  # a peer that does not accept a TCP connection within this is unreachable over HTTP
 
 
 class SourceError(Exception):
@@ -90,7 +91,9 @@ class HttpSource:
         self.peer_id = peer_id
 
     async def _get(self, path: str, max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
-        limits = aiohttp.ClientTimeout(total=timeout + wait, sock_read=self.config.stall_timeout_s + wait)
+        limits = aiohttp.ClientTimeout(
+            total=timeout + wait, sock_connect=min(timeout, CONNECT_TIMEOUT_S), sock_read=self.config.stall_timeout_s + wait
+        )
         try:
             async with self.session.get(self.url + path, timeout=limits) as resp:
                 if resp.status == 503:
@@ -109,8 +112,9 @@ class HttpSource:
                     if len(buf) > max_bytes:
                         raise SourceError(f"{self.name}{path}: response exceeds the {max_bytes} byte limit")
                 return bytes(buf)
-        except aiohttp.ClientConnectorError as e:
-            raise SourceUnreachable(f"{self.name}: {e}") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            # Refused, unroutable or filtered: this transport cannot reach the peer (libp2p may).
+            raise SourceUnreachable(f"{self.name}: {type(e).__name__}: {e}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise SourceError(f"{self.name}{path}: {type(e).__name__}: {e}") from None
 
@@ -133,9 +137,11 @@ class HttpSource:
 class PeerSource:
     """A peer over HTTP when its card has a chunk URL we can reach, else over libp2p streams."""
 
-    def __init__(self, http: ChunkSource | None, p2p: ChunkSource | None, name: str, peer_id: str):
+    def __init__(self, http: ChunkSource | None, p2p: ChunkSource | None, name: str, peer_id: str,
+                 url: str | None = None):
         assert http is not None or p2p is not None
         self.http, self.p2p = http, p2p
+        self.url = url  # the card's chunk_url this source was built from
         self.name = name
         self.peer_id = peer_id
 
@@ -205,8 +211,8 @@ class PolicyFetcher:
 
         async def fetch_one(index: int, ref: ChunkRef) -> None:
             rounds = 0
-            deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
             async with slots:
+                deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
                 while True:
                     only_busy = True
                     candidates = [(s, w) for s, w in route(index, ref) if s.name not in banned]

@@ -199,12 +199,16 @@ class PolicyFollower:
                 manifest, lambda i, ref: self._route(head, publisher, i, ref), on_chunk=self.inflight.arrived
             )
             path = await asyncio.to_thread(self.versions.install, manifest, envelope, self.chunks)
+        except BaseException:
+            self.on_state()  # the card must stop advertising a fetch that is over
+            raise
         finally:
             refresher.cancel()
             self.inflight.end()
             self.fetching_version = None
         self.held_version = manifest.version
         self.arrival_s[manifest.version] = time.monotonic() - self._first_seen.pop(manifest.version)
+        self._first_seen = {v: t for v, t in self._first_seen.items() if v > manifest.version}
         for old in [v for v in self.arrival_s if v < manifest.version - 16]:
             del self.arrival_s[old]
         logger.debug(
@@ -242,11 +246,11 @@ class PolicyFollower:
         if card is None:
             return self._sources.get(peer_id)
         source = self._sources.get(peer_id)
-        if source is None:
+        if source is None or getattr(source, "url", None) != card.chunk_url:  # new peer, or it moved
             name = f"{card.role}:{peer_id[-8:]}"
             http = HttpSource(self.session, card.chunk_url, self.fetch_config, name=name, peer_id=peer_id) if card.chunk_url else None
             p2p = P2PSource(self.overlay, peer_id, list(card.maddrs), self.fetch_config, name=name)
-            source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id)
+            source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id, url=card.chunk_url)
         return source
 
     def _holders(self, version: int) -> list[ChunkSource]:

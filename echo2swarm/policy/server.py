@@ -15,7 +15,8 @@ is held (at most `chunk_server.wait_s`) until it arrives, which is what pipeline
 Requests carry no body, header sizes are aiohttp's bounded defaults, at most `max_connections`
 requests are in flight and at most `upload_slots` chunk bodies are streamed at once (chunk bodies
 are streamed inside the handler, not handed to sendfile after it returns); the rest get 503 so a
-flood cannot starve the daemon. Every body byte passes the daemon's upload limiter.
+flood cannot starve the daemon. Every chunk byte (and, over libp2p, every manifest and plan
+byte) passes the daemon's upload limiter; small JSON answers over HTTP do not.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ PEERS = [f"12D3KooW{c * 44}" for c in "ABCDEFGH"]
 
 
 def test_chains_put_fast_uploaders_first_and_the_slowest_last():
-    receivers = [(PEERS[0], 10), (PEERS[1], 30), (PEERS[2], None), (PEERS[3], 20)]
+    receivers = [(PEERS[0], 10), (PEERS[1], 30), (PEERS[2], None), (PEERS[3], 20)]  # None: uncapped
     chains = plan_chains(receivers, seeds=2)
-    assert chains == [[PEERS[1], PEERS[3], PEERS[0], PEERS[2]], [PEERS[3], PEERS[1], PEERS[0], PEERS[2]]]
+    assert chains == [[PEERS[2], PEERS[1], PEERS[3], PEERS[0]], [PEERS[1], PEERS[2], PEERS[3], PEERS[0]]]
     for chain in chains:
         assert sorted(chain) == sorted(p for p, _ in receivers)
 
@@ -153,3 +153,34 @@ def test_cards_bound_what_they_advertise():
                 {"arrivals": [{"version": 1, "seconds": float("nan")}]}, {"fetching": 0}, {"upload_bps": -1}):
         with pytest.raises(RecordError):
             parse_card({**base, **bad})
+
+
+@pytest.mark.parametrize("seeds", [1, 2, 16])
+def test_a_plan_for_a_huge_swarm_still_fits_what_followers_accept(seeds: int):
+    key = PolicyKey.generate()
+    peers = [(f"12D3KooW{i:044d}".replace("0", "A"), None) for i in range(6000)]
+    plan = make_plan(key, "s", 1, LEARNER, peers, seeds)
+    data = plan.to_bytes()
+    assert verify_plan(data, trusted=key.public, swarm="s", version=1, publisher=LEARNER)
+    assert sum(len(c) for c in plan.stripes) <= 4096
+
+
+def test_t_bcast_waits_for_every_planned_peer_and_counts_a_skipped_version_by_the_next_one():
+    from echo2swarm.learner.broadcast import BroadcastTracker
+
+    class FakeOverlay:  # only what plan() reads: the swarm name and our peer id
+        class config:
+            swarm = "s"
+        peer_id = LEARNER
+
+    def card(peer: str, arrivals: dict[int, float], active: bool | None = None) -> PeerCard:
+        return PeerCard(peer_id=peer, role="rollout", price=0.0, state="ready", software="0", updated_ms=1,
+                        arrivals=[{"version": v, "seconds": t} for v, t in arrivals.items()], active=active)
+
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0)  # type: ignore[arg-type]
+    tracker.observe([card(PEERS[0], {}), card(PEERS[1], {}), card(PEERS[2], {}, active=False)])
+    tracker.plan(5)
+    tracker.observe([card(PEERS[0], {5: 2.0}), card(PEERS[1], {}), card(PEERS[2], {}, active=False)])
+    assert tracker.t_bcast_s is None  # PEERS[1] does not hold v5 yet; the standby peer is not waited for
+    tracker.observe([card(PEERS[0], {5: 2.0}), card(PEERS[1], {6: 3.5}), card(PEERS[2], {}, active=False)])
+    assert tracker.t_bcast == {5: 3.5} and tracker.t_bcast_s == 3.5
