@@ -31,6 +31,9 @@ from echo2swarm.rollout.engines.base import ENGINE_KINDS
 @click.option("--trust", metavar="KEY", help="Learner policy key to pin: KEY.pub path or 'ed25519:<hex>'.")
 @click.option("--engine", type=click.Choice(ENGINE_KINDS),
               help="rollout: generation engine; auto (default) picks vllm when it imports, else transformers.")
+@click.option("--device", metavar="DEVICE",
+              help="learner: training device; rollout: transformers engine device. auto (default: cuda when "
+              "visible, else cpu), cpu, cuda or cuda:N. vLLM picks its own.")
 @click.option("--model", type=click.Path(path_type=Path), help="learner: Hugging Face model directory to publish.")
 @click.option("--policy-key", type=click.Path(dir_okay=False, path_type=Path), help="learner: key from `echo2swarm keygen`.")
 @click.option("--chunk-size", metavar="SIZE", help="learner: bytes per chunk, e.g. 8MiB.")
@@ -83,6 +86,7 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     role_flags = {
         "trust": ("trust", ("rollout", "relay")),
         "engine": ("engine.type", ("rollout",)),
+        "device": ({"learner": "train.device", "rollout": "engine.device"}, ("learner", "rollout")),
         "peer_assist": ("fetch.peer_assist", ("rollout", "relay")),
         "model": ("publish.model", ("learner",)),
         "policy_key": ("publish.policy_key", ("learner",)),
@@ -98,7 +102,8 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
             if flags[flag] is not None:
                 if effective_role not in roles:
                     fail(f"--{flag.replace('_', '-')} only applies to --role {'/'.join(roles)}")
-                overrides[dotted] = flags[flag]
+                # A flag meaning the same thing on several roles maps to each role's own field.
+                overrides[dotted if isinstance(dotted, str) else dotted[effective_role]] = flags[flag]
         config = load_config(role, config_path, overrides=overrides)
     except ConfigError as e:
         fail(str(e))

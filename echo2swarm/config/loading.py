@@ -50,6 +50,8 @@ FLAG_FOR_FIELD = {
     "publish.model": "--model",
     "publish.policy_key": "--policy-key",
     "publish.chunk_size": "--chunk-size",
+    "train.device": "--device",
+    "engine.device": "--device",
 }
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(DaemonConfig)

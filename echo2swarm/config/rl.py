@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from echo2swarm.runtime.devices import check_device_name
+
+# Checked for spelling here (no torch import); whether the CUDA device exists is checked at
+# daemon preflight and again when the trainer or engine is built.
+Device = Annotated[str, AfterValidator(check_device_name)]
 
 
 class _Section(BaseModel):
@@ -38,6 +44,10 @@ class TrainConfig(_Section):
     scale_std: bool = Field(True, description="Divide group advantages by the group's reward std.")
     seed: int = Field(0, ge=0, description="Seeds prompts, sampling seeds handed to peers, and torch.")
     threads: int | None = Field(None, ge=1, description="torch threads for training. None: torch's default.")
+    device: Device = Field(
+        "auto", description="Torch device for the policy, reference model, optimizer state and batches: auto (cuda "
+        "when a CUDA device is visible, else cpu), cpu, cuda or cuda:N. Published weights are fp32 on CPU either way.",
+    )
     checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
     keep_checkpoints: int = Field(2, ge=1)
     run_dir: Path | None = Field(None, description="metrics.jsonl, checkpoints, final model. None: <state_dir>/run.")
@@ -94,6 +104,10 @@ class EngineConfig(_Section):
         "auto", description="Generation engine; auto picks vllm when it imports here, else transformers."
     )
     threads: int | None = Field(None, ge=1, description="torch threads for generation. None: torch's default.")
+    device: Device = Field(
+        "auto", description="Torch device of the transformers engine: auto (cuda when visible, else cpu), cpu, cuda "
+        "or cuda:N. vLLM picks its own device and ignores this.",
+    )
     max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings.")
 

@@ -66,7 +66,9 @@ def load_latest(run_dir: Path) -> Checkpoint | None:
     for step in reversed(_steps(root)):
         path = root / f"step-{step:08d}"
         try:
-            state = torch.load(path / "state.pt", weights_only=False)  # our own file, written atomically
+            # Our own file, written atomically. On the CPU: a GPU learner's optimizer state then loads on
+            # any machine, and optimizer.load_state_dict moves it to the parameters' device.
+            state = torch.load(path / "state.pt", weights_only=False, map_location="cpu")
             tensors = load_file(path / "model.safetensors")
         except Exception as e:  # a damaged checkpoint: fall back to the one before
             logger.warning("checkpoint %s unreadable (%s); trying an older one", path, e)

@@ -4,14 +4,16 @@
       ─► left-padded batch ─► advantages per group ─► token logprobs (with grad)
       ─► clipped objective (decoupled PPO when some groups are stale) ─► AdamW step
 
-Runs in a worker thread of the learner daemon; nothing here touches the network.
+Runs in a worker thread of the learner daemon; nothing here touches the network. The policy, the
+reference model, the optimizer state and every batch tensor live on `train.device`; published
+weights and model directories are fp32 on the CPU wherever training runs.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from echo2swarm.config.rl import TrainConfig
 from echo2swarm.learner.buffer import Group
 from echo2swarm.learner.grpo import group_advantages, grpo_loss, token_logprobs
+from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -35,6 +38,9 @@ class Batch:
     behaviour: torch.Tensor
     advantages: torch.Tensor
     versions: torch.Tensor
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -60,13 +66,17 @@ class GRPOTrainer:
 
     def __init__(self, model_dir: Path, config: TrainConfig):
         self.config = config
+        self.device = resolve_device(config.device, setting="train.device (--device)")
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model = model.to(self.device)  # before the optimizer, so its state is created on the device
         self.model.train()
+        logger.info("trainer: %s on %s (%d params, fp32)", self.model_dir, self.device,
+                    sum(p.numel() for p in self.model.parameters()))
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.reference = None
@@ -115,11 +125,12 @@ class GRPOTrainer:
             attention_mask[b, start:] = 1
             completion_mask[b, length - len(completion):] = 1
             behaviour[b, length - len(completion):] = torch.tensor(logprobs)
+        # Assembled on the CPU (many small row writes), then moved in one copy per tensor.
         return Batch(
             input_ids, attention_mask, completion_mask, behaviour,
             torch.tensor([r[3] for r in rows], dtype=torch.float32),
             torch.tensor([r[4] for r in rows], dtype=torch.long),
-        )
+        ).to(self.device)
 
     def step(self, groups: list[Group], current_version: int) -> dict[str, Any]:
         started = time.perf_counter()
@@ -159,9 +170,12 @@ class GRPOTrainer:
         }
 
     def weights_bytes(self) -> bytes:
-        return save_safetensors(unique_state_dict(self.model), metadata={"format": "pt"})
+        """The policy as safetensors bytes: fp32, copied to the CPU when training runs elsewhere."""
+        tensors = {name: t.to("cpu") for name, t in unique_state_dict(self.model).items()}
+        return save_safetensors(tensors, metadata={"format": "pt"})
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        # load_state_dict copies into the existing parameters, so CPU tensors land on self.device.
         missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         # Names sharing storage with another (lm_head tied to the embeddings) are not in saved weights.
         tied = set(self.model.state_dict()) - set(unique_state_dict(self.model))

@@ -10,7 +10,7 @@ answers `LeaseWait` and the worker asks again after the delay it names; when its
 keeps this peer on standby it says so (`LeaseWait.standby`), and the card shows `active: false`.
 
 Throughput µ: measured once when the engine loads (a short calibration batch, cached in the state
-dir per engine, model, threads, pace and sampling settings, so a restart skips it), then an
+dir per engine, device, model, threads, pace and sampling settings, so a restart skips it), then an
 EWMA over real leases; advertised in the card as `rollouts_per_s` for the learner's planner.
 """
 
@@ -75,7 +75,7 @@ class RolloutWorker:
                 engine = self.config.engine
                 self.engine = make_engine(engine.type, path, threads=engine.threads,
                                           max_batch_sequences=engine.max_batch_sequences,
-                                          vllm_options=engine.vllm.model_dump())
+                                          vllm_options=engine.vllm.model_dump(), device=engine.device)
                 self._model_fp = _model_fingerprint(path)
                 if self.config.worker.calibrate:
                     self._calibrate()
@@ -87,7 +87,8 @@ class RolloutWorker:
     # -- throughput --------------------------------------------------------------------------------
     def _cache_key(self, n: int, max_new_tokens: int) -> str:
         c = self.config
-        return (f"{c.engine.type}|{self._model_fp}|threads={c.engine.threads}|pace={c.worker.max_rollouts_per_s}"
+        return (f"{c.engine.type}|{c.engine.device}|{self._model_fp}|threads={c.engine.threads}"
+                f"|pace={c.worker.max_rollouts_per_s}"
                 f"|n={n}|tokens={max_new_tokens}")
 
     def _read_cache(self) -> dict[str, Any]:

@@ -300,6 +300,10 @@ def preflight(config: Any) -> None:
         model_files(config.publish.model)
         if config.train.task not in available_tasks():
             raise ValueError(f"train.task {config.train.task!r} is unknown; available: {', '.join(available_tasks())}")
+        if config.train.device.startswith("cuda"):  # torch only when CUDA is asked for: auto and cpu cannot fail
+            from echo2swarm.runtime.devices import resolve_device
+
+            resolve_device(config.train.device, setting="train.device (--device)")
     elif config.role in ("rollout", "relay") and config.trust:
         from echo2swarm.policy.signing import load_trusted_key
 
@@ -308,6 +312,10 @@ def preflight(config: Any) -> None:
         from echo2swarm.rollout.engines import check_engine_installed
 
         check_engine_installed(config.engine.type)  # `--engine vllm` without vllm fails now, not at v1
+        if config.engine.device.startswith("cuda") and config.engine.type != "vllm":
+            from echo2swarm.runtime.devices import resolve_device
+
+            resolve_device(config.engine.device, setting="engine.device (--device)")
 
 
 def run_daemon(config: Any) -> int:

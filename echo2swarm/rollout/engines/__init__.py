@@ -87,6 +87,9 @@ def make_engine(
     if chosen == "vllm":
         from echo2swarm.rollout.engines.vllm import VLLMEngine
 
+        if transformers_options.get("device", "auto") not in ("auto", "cuda"):
+            logger.warning("engine.device=%s is not used by vLLM, which picks its own device "
+                           "(choose a GPU with CUDA_VISIBLE_DEVICES)", transformers_options["device"])
         return VLLMEngine(Path(model_dir), threads=threads, max_batch_sequences=max_batch_sequences,
                           **(vllm_options or {}))
     from echo2swarm.rollout.engines.hf import TransformersEngine

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -75,7 +76,7 @@ class TransformersEngine:
         """
         Args:
             model_dir: an HF model directory (config, tokenizer, ``*.safetensors``).
-            device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+            device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"`` (cuda when visible, else cpu).
             threads: torch intra-op threads while generating or loading; None leaves the
                 process setting alone.
             max_batch_sequences: most rows (prompt × sample) in one forward batch.
@@ -86,7 +87,7 @@ class TransformersEngine:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device)
+        self.device = resolve_device(device, setting="engine.device (--device)")
         self.threads = threads
         self.max_batch_sequences = max_batch_sequences
         if dtype is None:
