@@ -3,20 +3,37 @@
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers.swarm import read_metrics, run_cli
+from helpers.swarm import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.swarm, pytest.mark.timeout(900)]
 
 
 def test_demo_learns_with_vllm_peers(tmp_path: Path) -> None:
     run_dir = tmp_path / "demo"
-    result = run_cli("demo", "--engine", "vllm", "--run-dir", str(run_dir), "--steps", "200", "--warmup-steps", "700",
-                     "--timeout", "600", timeout=880)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    print(result.stdout[-2500:])
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "echo2swarm.cli.main", "demo", "--engine", "vllm", "--run-dir", str(run_dir),
+         "--steps", "200", "--warmup-steps", "700", "--timeout", "600"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+    )
+    try:
+        output, _ = demo.communicate(timeout=860)
+    except subprocess.TimeoutExpired:
+        # SIGINT, not SIGKILL: the demo then stops its bootstrap, learner and rollout daemons.
+        demo.send_signal(signal.SIGINT)
+        try:
+            output, _ = demo.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            demo.kill()
+            output, _ = demo.communicate()
+        pytest.fail(f"the demo did not finish in 860 s:\n{output[-3000:]}")
+    assert demo.returncode == 0, output[-5000:]
+    print(output[-2500:])
     records = read_metrics(run_dir / "learner" / "run" / "metrics.jsonl")
     assert len(records) == 200
     first = sum(r["reward_mean"] for r in records[:20]) / 20
