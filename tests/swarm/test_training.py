@@ -25,7 +25,8 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     staleness = 1
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness)
     local_swarm.bootstrap()
-    learner = local_swarm.start("learner", "--config", str(config))
+    # Every peer must get work here (the slow one is the one killed): no cost-aware standby.
+    learner = local_swarm.start("learner", "--config", str(config), env={"ECHO2SWARM_ACTIVATION__ENABLED": "false"})
     # A second learner with another key in the same swarm: pinned rollout peers must not work for it.
     rogue_key = tmp_path / "rogue.key"
     PolicyKey.generate().save(rogue_key)
