@@ -39,8 +39,9 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 # REQUIRE_VLLM turns "vllm not importable" from a skip into a failure.
+# -rP shows what the passing tests print: the vLLM refit time and the demo's reward figures.
 test-vllm: $(VLLM_STAMP)
-	REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -m vllm
+	REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -rP -m vllm
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests/unit -q
