@@ -7,16 +7,14 @@ prompt + completion (teacher forcing): that is the definition the learner relies
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.models import engine_model_dirs
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from echo2swarm.models.tiny import write_tiny_model
 from echo2swarm.rollout.engines import Completion, Engine, SamplingParams, make_engine
 from echo2swarm.rollout.engines.hf import TransformersEngine
 
@@ -36,23 +34,7 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine")
-    dirs = {"seed0": write_tiny_model(root / "seed0", seed=0), "seed1": write_tiny_model(root / "seed1", seed=1)}
-    # seed1 with one tensor of the wrong shape, one left out, and one that the model lacks.
-    tensors = load_file(dirs["seed1"] / "model.safetensors")
-    bad_shape = root / "bad_shape"
-    shutil.copytree(dirs["seed1"], bad_shape)
-    save_file(
-        {**tensors, "model.layers.0.mlp.up_proj.weight": tensors["model.layers.0.mlp.up_proj.weight"][:-1]},
-        bad_shape / "model.safetensors",
-    )
-    bad_keys = root / "bad_keys"
-    shutil.copytree(dirs["seed1"], bad_keys)
-    renamed = dict(tensors)
-    renamed["model.layers.1.mlp.gate_proj.weight_typo"] = renamed.pop("model.layers.1.mlp.gate_proj.weight")
-    save_file(renamed, bad_keys / "model.safetensors")
-    dirs.update(bad_shape=bad_shape, bad_keys=bad_keys)
-    return dirs
+    return engine_model_dirs(tmp_path_factory.mktemp("engine"))
 
 
 @pytest.fixture(scope="module")
