@@ -196,19 +196,19 @@ class ChunkServer:
             raise web.HTTPBadRequest(text="version must be a positive integer without leading zeros")
         return int(raw)
 
-    async def _manifest(self, request: web.Request) -> web.Response:
+    def _signed_json(self, request: web.Request, lookup: Callable[[int], bytes | None], missing: str) -> web.Response:
+        """A signed document of one version (manifest or plan), byte for byte as stored, or 404."""
         version = self._version(request.match_info["version"])
-        data = self.service.manifest(version)
+        data = lookup(version)
         if data is None:
-            raise web.HTTPNotFound(text=f"version {version} not held")
+            raise web.HTTPNotFound(text=missing.format(version=version))
         return web.Response(body=data, content_type="application/json")
 
+    async def _manifest(self, request: web.Request) -> web.Response:
+        return self._signed_json(request, self.service.manifest, "version {version} not held")
+
     async def _plan(self, request: web.Request) -> web.Response:
-        version = self._version(request.match_info["version"])
-        data = self.service.plan(version)
-        if data is None:
-            raise web.HTTPNotFound(text=f"no broadcast plan for version {version}")
-        return web.Response(body=data, content_type="application/json")
+        return self._signed_json(request, self.service.plan, "no broadcast plan for version {version}")
 
     async def _chunk(self, request: web.Request) -> web.StreamResponse:
         sha = request.match_info["sha256"]
