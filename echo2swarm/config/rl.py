@@ -74,6 +74,10 @@ class LeaseConfig(_Section):
     max_prompts: int = Field(8, ge=1, le=256, description="Prompts in one lease at most.")
     timeout_s: float = Field(60.0, gt=0, description="Seconds before an unfinished lease is re-issued to someone else.")
     wait_retry_s: float = Field(0.05, gt=0, le=60, description="Back-off a peer is told when no work is available.")
+    max_hold_s: float = Field(
+        5.0, ge=0, le=60, description="Longest a peer's lease request is held waiting for work (long polling); "
+        "0: answer at once.",
+    )
 
 
 class VLLMOptions(_Section):
@@ -118,6 +122,17 @@ class WorkerConfig(_Section):
     max_prompts: int = Field(8, ge=1, le=256, description="Prompts asked for per lease.")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Seconds for one lease or submit call.")
     idle_retry_s: float = Field(1.0, gt=0, description="Seconds between attempts while no learner is reachable.")
+    lease_wait_s: float = Field(
+        5.0, ge=0, le=60, description="Ask the learner to hold a lease request up to this long until work is free "
+        "(long polling; the learner caps it), so work is taken the moment it exists. 0: poll.",
+    )
+    prefetch_leases: int = Field(
+        1, ge=0, le=4, description="Leases asked for ahead of the one generating, so the engine does not wait on the "
+        "round trip. 0: ask for the next lease only when a batch is done.",
+    )
+    max_pending_submits: int = Field(
+        2, ge=1, le=16, description="Generated batches still being submitted before generation waits for them.",
+    )
     max_rollouts_per_s: float | None = Field(
         None, gt=0, description="Pace generation to at most this many rollouts/s (emulates slower GPUs in benchmarks)."
     )
@@ -131,6 +146,15 @@ class WorkerConfig(_Section):
     calibration_max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length of the calibration batch "
                                             "(until a lease shows the task's own).")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest lease in the rollouts/s average.")
+
+    @model_validator(mode="after")
+    def _held_requests_fit_the_timeout(self) -> "WorkerConfig":
+        if self.lease_wait_s >= self.rpc_timeout_s:
+            raise ValueError(
+                f"worker.lease_wait_s ({self.lease_wait_s:g}) must be below worker.rpc_timeout_s "
+                f"({self.rpc_timeout_s:g}): a held lease request would time out"
+            )
+        return self
 
 
 class ActivationConfig(_Section):

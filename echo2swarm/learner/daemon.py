@@ -127,6 +127,7 @@ class LearnerService:
         if self.intake is not None:
             self.intake.published_version = self.version
             self.intake.head_json = self._head_json()
+            self.intake.work_freed()  # peers held for want of this version can have work now
         if self.ctx.announcer is not None:
             self.ctx.announcer.trigger()
         return time.perf_counter() - started
@@ -151,6 +152,7 @@ class LearnerService:
         alive = {c.peer_id for c in cards if c.state != "stopping"}
         for peer in holders - alive:
             n = self.intake.leases.drop_peer(peer)
+            self.intake.work_freed()
             logger.info("peer %s left the swarm: re-issuing its %d open prompts", peer[-8:], n)
 
     async def _wait_for_batch(self, stop: asyncio.Event) -> bool:
@@ -161,7 +163,8 @@ class LearnerService:
             if stop.is_set():
                 return False
             self.intake.wake.clear()
-            self.intake.leases.expire(self.intake.clock())
+            if self.intake.leases.expire(self.intake.clock()):
+                self.intake.work_freed()
             if time.monotonic() - last_check > self.config.overlay.announce_period_s:
                 last_check = time.monotonic()
                 await self._revoke_departed()
@@ -191,6 +194,7 @@ class LearnerService:
             # From here on the intake serves the next step: its slot is the one new work can still fill,
             # and a group too old for it is refused now rather than buffered only to go stale.
             intake.version = self.version + 1
+            intake.work_freed()  # the batch left the buffer: held lease requests can be answered
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
             self.steps_done += 1
             trained_version = self.version
@@ -242,6 +246,7 @@ class LearnerService:
     async def _finish(self) -> None:
         assert self.intake is not None
         self.intake.done = True
+        self.intake.work_freed()
         await self._checkpoint()
         final = await asyncio.to_thread(self.trainer.save_model_dir, self.run_dir / "final")
         logger.info("training finished after %d steps; final model at %s", self.steps_done, final)

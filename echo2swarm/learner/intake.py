@@ -10,7 +10,10 @@ delivered rollouts and the lease's latency to `on_delivery`, which the plan meas
 
 Back-pressure: groups open in leases plus groups usable in the buffer never exceed
 (S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
-a peer is told to wait (`LeaseWait`) and asks again shortly. A peer holding an older version
+a peer is told to wait (`LeaseWait`) and asks again shortly. A peer may ask to be held
+(`LeaseRequest.wait_s`, long polling): its request then waits, up to `leases.max_hold_s`, until
+a training step, a publish or an expired lease frees work (`work_freed`), and is answered the
+moment there is some, instead of the peer polling. A peer holding an older version
 gets only as much work as the steps left in that version's window can still consume (oldest
 groups train first), and is told to fetch the newer version for the rest.
 """
@@ -28,6 +31,7 @@ from echo2swarm.learner.buffer import Group, RolloutBuffer
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
 from echo2swarm.learner.protocol import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
 from echo2swarm.overlay.rpc import RpcError
+from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.base import Task
 
@@ -62,7 +66,8 @@ class Intake:
         self.done = False
         self.leases = LeaseManager(leases_config.timeout_s, leases_config.max_prompts, cursor, requeue or [])
         self.buffer = RolloutBuffer(train.staleness)
-        self.wake = asyncio.Event()
+        self.wake = asyncio.Event()  # a group arrived: the trainer may have its batch
+        self._freed = asyncio.Event()  # work was freed: held lease requests look again (replaced on each pulse)
         self.accepted = 0
         self.refused: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
@@ -90,7 +95,26 @@ class Intake:
         self.refused[reason] += 1
         logger.debug("refused group from %s: %s %s", peer[-8:], reason, detail)
 
+    def work_freed(self) -> None:
+        """Budget may have grown (a step took its batch, a version was published, leases expired)."""
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()  # wakes every request held on it; later ones wait on the new event
+
     async def rpc_lease(self, request: LeaseRequest, peer: str) -> Lease | LeaseWait:
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        until = since + min(request.wait_s, self.leases_config.max_hold_s)
+        while True:
+            freed = self._freed
+            reply = self._answer(request, peer)
+            left = until - loop.time()
+            # Held only while the learner itself has no work: a peer told to fetch a newer version
+            # first is answered at once (its next request will carry the version it then holds).
+            if isinstance(reply, Lease) or reply.standby or reply.done or reply.fetch_first or left <= 0:
+                return reply.model_copy(update={"held_s": min(60.0, loop.time() - since)})
+            await wait_any(freed, timeout=left)
+
+    def _answer(self, request: LeaseRequest, peer: str) -> Lease | LeaseWait:
         if self.done:
             return LeaseWait(retry_s=5.0, reason="training finished", done=True, head=self.head_json)
         self.leases.expire(self.clock())
@@ -108,7 +132,8 @@ class Intake:
         if lease is None:
             stale = request.held_version is not None and request.held_version < self.published_version
             reason = f"fetch v{self.published_version} first" if stale else "enough work in flight"
-            return LeaseWait(retry_s=self.leases_config.wait_retry_s, reason=reason, head=self.head_json)
+            return LeaseWait(retry_s=self.leases_config.wait_retry_s, reason=reason, head=self.head_json,
+                             fetch_first=stale)
         return Lease(
             lease_id=lease.lease_id,
             prompts=[LeasePrompt(prompt_id=pid, text=self.task.prompt(i).text) for pid, i in lease.prompts.items()],

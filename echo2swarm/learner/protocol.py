@@ -40,6 +40,8 @@ class LeasePrompt(_Message):
 class LeaseRequest(_Message):
     max_prompts: int = Field(ge=1, le=MAX_PROMPTS_PER_LEASE)
     held_version: int | None = Field(None, ge=0)
+    wait_s: float = Field(0.0, ge=0, le=60, description="hold the request up to this long (capped by the learner's "
+                          "leases.max_hold_s) until work is free, rather than answering LeaseWait at once")
 
 
 class Lease(_Message):
@@ -50,6 +52,7 @@ class Lease(_Message):
     min_version: int = Field(ge=1, description="generate with this version or newer")
     deadline_s: float = Field(gt=0, description="seconds from now until the lease expires and is re-issued")
     head: str | None = Field(None, max_length=16 * 1024, description="the learner's signed head, JSON")
+    held_s: float = Field(0.0, ge=0, le=60, description="how long the request was held for lack of work")
 
 
 class LeaseWait(_Message):
@@ -61,6 +64,8 @@ class LeaseWait(_Message):
     done: bool = False
     standby: bool = Field(False, description="the learner's plan keeps this peer on standby (cost-aware activation)")
     head: str | None = Field(None, max_length=16 * 1024)
+    fetch_first: bool = Field(False, description="work may exist, but not for the version this peer holds")
+    held_s: float = Field(0.0, ge=0, le=60, description="how long the request was held for lack of work")
 
 
 class CompletionMsg(_Message):

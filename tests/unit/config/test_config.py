@@ -269,3 +269,10 @@ def test_example_configs_in_daemon_dir_parse() -> None:
         # Validation never checks that files (model, key, identity) exist, so the learner example parses too.
         config = load_config(None, path, environ={})
         assert config.role == tomllib.loads(path.read_text())["role"], path
+
+
+def test_a_lease_wait_as_long_as_the_rpc_timeout_is_refused_by_name(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'role = "rollout"\n[worker]\nlease_wait_s = 30\nrpc_timeout_s = 30\n')
+    msg = config_error(None, path)
+    assert "worker.lease_wait_s" in msg and "worker.rpc_timeout_s" in msg
+    assert rollout().worker.lease_wait_s < rollout().worker.rpc_timeout_s  # the defaults hold together

@@ -77,11 +77,11 @@ def test_group_within_window_passes_and_unpublished_versions_are_future():
     assert check_group(submission(version=5), LIMITS, current_version=5, staleness=1, newest_published=4) == "future_version"
 
 
-def _intake(staleness: int = 1, prompts_per_step: int = 2) -> Intake:
+def _intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float = 5.0) -> Intake:
     tokenizer = build_char_tokenizer()
     train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4)
     return Intake(
-        get_task("arith", seed=0), train, LeaseConfig(max_prompts=2),
+        get_task("arith", seed=0), train, LeaseConfig(max_prompts=2, max_hold_s=max_hold_s),
         encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         limits=LIMITS, version=5,
     )
@@ -117,6 +117,43 @@ def test_intake_budget_caps_work_in_flight_and_tells_stale_holders_to_fetch():
     intake.version = 6
     reply = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=4), B))
     assert isinstance(reply, LeaseWait) and "fetch v6" in reply.reason
+
+
+def test_a_held_lease_request_is_answered_the_moment_work_is_freed():
+    async def scenario() -> None:
+        intake = _intake(staleness=1, prompts_per_step=2)  # capacity 4 prompts: two leases of 2
+        for _ in range(2):
+            assert isinstance(await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A), Lease)
+        held = asyncio.create_task(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5, wait_s=30), B))
+        for _ in range(10):
+            await asyncio.sleep(0)  # let the handler run up to its wait and park there
+        assert not held.done()
+        first = next(iter(intake.leases.open))
+        intake.leases.drop_peer(intake.leases.open[first].peer_id)  # work comes back...
+        assert not held.done()  # ...but the held request looks again only when told
+        intake.work_freed()
+        reply = await asyncio.wait_for(held, 5)
+        assert isinstance(reply, Lease) and len(reply.prompts) == 2 and reply.held_s > 0
+
+    asyncio.run(scenario())
+
+
+def test_held_requests_end_at_the_learners_cap_and_stale_holders_are_answered_at_once():
+    async def scenario() -> None:
+        intake = _intake(staleness=1, prompts_per_step=2, max_hold_s=0.2)
+        for _ in range(2):
+            await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        reply = await asyncio.wait_for(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5, wait_s=30), B), 5)
+        assert isinstance(reply, LeaseWait) and not reply.fetch_first
+        assert 0.2 <= loop.time() - started < 2 and reply.held_s >= 0.2  # the learner's cap, not the peer's 30 s
+        intake.published_version = intake.version = 6
+        started = loop.time()
+        stale = await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=4, wait_s=30), B)
+        assert isinstance(stale, LeaseWait) and stale.fetch_first and loop.time() - started < 0.1
+
+    asyncio.run(scenario())
 
 
 def test_undecodable_text_is_refused_but_a_cut_multibyte_tail_is_not():
