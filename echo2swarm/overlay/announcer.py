@@ -13,15 +13,21 @@ logger = get_logger(__name__)
 
 
 class Announcer:
-    """Calls `announce()` every `period` seconds, and at once when `trigger()` is called.
+    """Calls `announce()` every `period` seconds, and soon after `trigger()` is called.
+
+    Triggers are coalesced: an announcement starts at most once per `min_gap` seconds, so a
+    peer whose state changes many times a second (a fast learner publishing every step) stores
+    one card per gap, not one per change.
 
     >>> announcer = Announcer(10.0, publish_my_card)
     >>> task = asyncio.create_task(announcer.run(stop_event))
     >>> announcer.trigger()          # e.g. right after a new version is installed
     """
 
-    def __init__(self, period: float, announce: Callable[[], Awaitable[None]], name: str = "records"):
+    def __init__(self, period: float, announce: Callable[[], Awaitable[None]], name: str = "records",
+                 min_gap: float = 0.5):
         self.period = period
+        self.min_gap = min(min_gap, period)
         self.announce = announce
         self.name = name
         self._wake = asyncio.Event()
@@ -45,3 +51,6 @@ class Announcer:
             if took > 0.5 * self.period:
                 logger.warning("announcing %s is running late (%.1f s of a %.1f s period)", self.name, took, self.period)
             await wait_any(stop, self._wake, timeout=self.period - took)
+            gap = self.min_gap - (time.monotonic() - started)
+            if gap > 0 and not stop.is_set():  # woken early by a trigger: let more changes pile up
+                await wait_any(stop, timeout=gap)

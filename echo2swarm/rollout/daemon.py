@@ -85,7 +85,7 @@ class FollowerService:
     def stats(self) -> dict[str, Any]:
         worker = {}
         if self.worker is not None:
-            worker = {"worker": dict(self.worker.stats), "rollouts_per_s": self.worker.rollouts_per_s,
+            worker = {"worker": self.worker.snapshot(), "rollouts_per_s": self.worker.rollouts_per_s,
                       "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s,
                       "engine": getattr(self.worker.engine, "name", None), "refit_s": self.worker.refit_s}
         return {
