@@ -17,7 +17,11 @@ the peer is then told to wait for work. Those seconds are the learner's limit, n
 overhead, so the table shows them (idle s) and the peer's rate over the rest of the window
 (busy tokens/s) next to its rate over the whole window.
 
-Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95).
+The bare engine runs before and after the swarm run; the peer is compared with their mean.
+
+Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95), where the peer's seconds
+went (generating, starved for a lease, waiting for a version, round trips that overlapped) and its
+processes' CPU seconds.
 """
 
 from __future__ import annotations
@@ -96,9 +100,54 @@ def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) of a process ("daemon") and its descendants, by command name (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    stats: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2:].split()
+        parents[int(entry.name)] = int(fields[1])
+        stats[int(entry.name)] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    out: dict[str, float] = {}
+    for pid in tree:
+        if pid in stats:
+            comm, seconds = stats[pid]
+            comm = "daemon" if pid == root else comm
+            out[comm] = out.get(comm, 0.0) + seconds
+    return out
+
+
 def _info(daemon: Any) -> dict[str, Any]:
     with urllib.request.urlopen(daemon.info["chunk_url"] + "/v1/info", timeout=5) as reply:
         return json.loads(reply.read())["stats"]
+
+
+def _at_lease_end(peer: Any, timeout: float) -> tuple[dict[str, Any], float]:
+    """The peer's counters right after a lease finishes generating, and when: windows that start and end
+    on lease boundaries count whole leases' tokens (a lease takes up to ~0.5 s; a window 20 s)."""
+    seen = _info(peer).get("worker", {}).get("rollouts", 0)
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        stats = _info(peer)
+        if stats.get("worker", {}).get("rollouts", 0) != seen:
+            return stats, time.perf_counter()
+        time.sleep(0.005)  # polling for an event of another process: nothing to wait on
+    raise TimeoutError("the rollout peer finished no lease")
 
 
 def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespace,
@@ -143,9 +192,9 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
         skip = args.warmup_batches * args.prompts * args.group_size
         wait_until(lambda: _info(peer).get("worker", {}).get("rollouts", 0) >= skip, args.timeout,
                    interval=0.5, what=f"{kind} peer to generate {skip} rollouts")
-        first, t1 = _info(peer), time.perf_counter()
+        first, t1, cpu1 = *_at_lease_end(peer, args.timeout), tree_cpu(peer.pid)
         time.sleep(args.seconds)  # the measurement window itself, not a wait for a condition
-        last, t2 = _info(peer), time.perf_counter()
+        last, t2, cpu2 = *_at_lease_end(peer, args.timeout), tree_cpu(peer.pid)
         learner_stats = _info(learner)
     finally:
         for d in reversed(daemons):
@@ -158,7 +207,10 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
             "busy_tokens_per_s": delta("tokens") / busy, "wait_s": delta("wait_s"),
             "rollouts_per_s": delta("rollouts") / seconds, "seconds": seconds, "waits": delta("waits"),
             "versions": (last.get("engine_version") or 0) - (first.get("engine_version") or 0),
-            "refit_s": last.get("refit_s"), "learner_version": learner_stats.get("published_version")}
+            "refit_s": last.get("refit_s"), "learner_version": learner_stats.get("published_version"),
+            "cpu": {name: round(cpu2[name] - cpu1.get(name, 0.0), 2) for name in cpu2},
+            "split": {name: delta(name) for name in ("generate_s", "starved_s", "version_wait_s", "lease_rpc_s",
+                                                     "submit_rpc_s")}}
 
 
 def main() -> None:
@@ -172,6 +224,8 @@ def main() -> None:
     parser.add_argument("--warmup-batches", type=int, default=3, help="batches (leases) left out of the rate")
     parser.add_argument("--publish-every", type=int, default=1, help="kappa of the swarm's learner")
     parser.add_argument("--staleness", type=int, default=2, help="S of the swarm's learner")
+    parser.add_argument("--hidden-size", type=int, default=128, help="model width (128: the tiny model, ~300k params)")
+    parser.add_argument("--layers", type=int, default=2, help="model depth (2: the tiny model)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="vLLM KV cache (CPU)")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
@@ -185,6 +239,8 @@ def main() -> None:
         print(json.dumps(bare(args.bare, args.model, args)))
         return
 
+    from safetensors.torch import load_file
+
     from echo2swarm.models.tiny import write_tiny_model
     from echo2swarm.rollout.engines import vllm_installed
 
@@ -193,25 +249,42 @@ def main() -> None:
     split = None if args.no_pin or len(cores) < 2 else ({cores[0]}, {cores[-1]})
     results: dict[str, dict[str, dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp, pinned(split[0] if split else None):
-        model_dir = write_tiny_model(Path(tmp) / "model", seed=0)
+        model_dir = write_tiny_model(Path(tmp) / "model", seed=0, hidden_size=args.hidden_size,
+                                     num_layers=args.layers)
+        params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
         for kind in engines:
-            results[kind] = {"bare": run_bare(kind, model_dir, args, split[1] if split else None)}
-        for kind in engines:
-            results[kind]["swarm"] = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}", args, split)
+            # Bare before and after the swarm run, on the same core: a shared VM's speed drifts by
+            # 10-20% between minutes, so the swarm run is compared with the mean of the two.
+            before = run_bare(kind, model_dir, args, split[1] if split else None)
+            swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}", args, split)
+            after = run_bare(kind, model_dir, args, split[1] if split else None)
+            mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+            results[kind] = {"bare": {**before, "tokens_per_s": mean, "runs": [before["tokens_per_s"],
+                                                                             after["tokens_per_s"]]},
+                             "swarm": swarm}
 
     where = f"each engine alone on core {split[1]}" if split else "unpinned"
-    print(f"\nrollout engines on the tiny Qwen3 (float32): {args.prompts} arith prompts x {args.group_size} samples x "
+    print(f"\nrollout engines on a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
+          f"{args.layers} layers, float32): {args.prompts} arith prompts x {args.group_size} samples x "
           f"<= {args.max_new_tokens} new tokens per batch/lease, T=1; {args.seconds:.0f} s windows; "
           f"{os.cpu_count()} CPU cores, {where}, 1 thread")
     print(f"{'engine':<14}{'run':<34}{'tokens/s':>10}{'busy tokens/s':>15}{'idle s':>8}{'versions':>10}"
           f"{'refit ms':>10}")
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
-        print(f"{kind:<14}{'bare engine':<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}")
+        label = "bare engine (mean of {:.0f}, {:.0f})".format(*b["runs"])
+        print(f"{kind:<14}{label:<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}")
         label = f"rollout peer, swarm (kappa={args.publish_every}, S={args.staleness})"
         refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
         print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}{s['wait_s']:>8.1f}"
               f"{s['versions']:>10}{refit:>10}")
+    for kind in engines:
+        split = results[kind]["swarm"]["split"]
+        print(f"{kind} peer, seconds of the {args.seconds:.0f} s window: " + ", ".join(
+            f"{name.removesuffix('_s')} {value:.1f}" for name, value in split.items())
+            + " (generate: engine busy; starved: engine idle on a round trip; lease/submit round trips overlap)")
+        print(f"{kind} peer, CPU seconds in the window by process: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in sorted(results[kind]["swarm"]["cpu"].items(), key=lambda kv: -kv[1])))
     if "vllm" in results and "transformers" in results:
         ratio = results["vllm"]["bare"]["tokens_per_s"] / results["transformers"]["bare"]["tokens_per_s"]
         print(f"vllm / transformers, bare tokens/s: {ratio:.2f}")

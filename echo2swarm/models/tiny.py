@@ -133,7 +133,8 @@ def build_tiny_model(
 
 
 def write_tiny_model(
-    out_dir: str | os.PathLike[str], seed: int = 0, *, task: str | None = None, warmup_steps: int = 0
+    out_dir: str | os.PathLike[str], seed: int = 0, *, task: str | None = None, warmup_steps: int = 0,
+    **config_overrides: Any,
 ) -> pathlib.Path:
     """Write a tiny model as a standard Hugging Face directory and return its path.
 
@@ -142,7 +143,8 @@ def write_tiny_model(
     a given ``seed``. Refuses to write into an existing non-empty directory so
     it can never clobber a real checkpoint. With ``task`` and ``warmup_steps``,
     the model first gets a short seeded supervised warm-up on that task: RL
-    post-training starts from a model that sometimes answers right.
+    post-training starts from a model that sometimes answers right. ``config_overrides`` go to
+    `tiny_config` (``hidden_size``, ``num_layers``, ``num_heads``): a larger model of the same family.
     """
     path = pathlib.Path(out_dir)
     if path.exists():
@@ -152,7 +154,7 @@ def write_tiny_model(
             raise FileExistsError(f"refusing to write tiny model into non-empty directory {path}")
     path.mkdir(parents=True, exist_ok=True)
 
-    model, tokenizer = build_tiny_model(seed=seed)
+    model, tokenizer = build_tiny_model(seed=seed, **config_overrides)
     if task is not None and warmup_steps > 0:
         from echo2swarm.models.warmup import supervised_warmup
         from echo2swarm.tasks.registry import get_task
