@@ -26,7 +26,7 @@ import aiohttp
 from echo2swarm.config.models import FetchConfig
 from echo2swarm.policy.manifest import ChunkRef, HeadRecord, Manifest, ManifestError, verify_manifest
 from echo2swarm.policy.signing import PublicKey
-from echo2swarm.policy.store import ChunkHashError, ChunkStore
+from echo2swarm.policy.store import Assembly, ChunkHashError, ChunkStore
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -200,10 +200,20 @@ class PolicyFetcher:
             raise last
         raise FetchError(f"no source delivered manifest v{head.version}: {last}")
 
+    def _keep(self, sha256: str, data: bytes, sink: Assembly | None) -> None:
+        self.chunks.put(sha256, data)  # raises ChunkHashError before anything is kept
+        if sink is not None:
+            sink.write(sha256, data)
+
     async def fetch_chunks(
-        self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None
+        self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None,
+        sink: Assembly | None = None,
     ) -> int:
-        """Fetch every chunk not yet stored, in manifest order. Returns the number fetched."""
+        """Fetch every chunk not yet stored, in manifest order. Returns the number fetched.
+
+        Each chunk is hashed in memory, stored, and (with `sink`) written straight into the
+        version's files being assembled.
+        """
         missing = [(i, ref) for i, ref in enumerate(manifest.chunk_refs()) if not self.chunks.has(ref.sha256)]
         banned: set[str] = set()  # served bad bytes, or unreachable over every transport
         self.bytes_from = Counter()
@@ -242,7 +252,7 @@ class PolicyFetcher:
                             logger.info("chunk %s: %s", ref.sha256[:12], e)
                             continue
                         try:
-                            await asyncio.to_thread(self.chunks.put, ref.sha256, data)
+                            await asyncio.to_thread(self._keep, ref.sha256, data, sink)
                         except ChunkHashError:
                             self.stats["bad_chunk"] += 1
                             banned.add(source.name)

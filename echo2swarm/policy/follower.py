@@ -195,10 +195,17 @@ class PolicyFollower:
                 return None
             self.inflight.begin(manifest, envelope, {r.sha256 for r in manifest.chunk_refs() if self.chunks.has(r.sha256)})
             self.plan = await self._fetch_plan(head, publisher)
-            fetched = await self.fetcher.fetch_chunks(
-                manifest, lambda i, ref: self._route(head, publisher, i, ref), on_chunk=self.inflight.arrived
-            )
-            path = await asyncio.to_thread(self.versions.install, manifest, envelope, self.chunks)
+            # The files are assembled as chunks arrive: installing is then a rename, not a second copy.
+            assembly = await asyncio.to_thread(self.versions.begin, manifest)
+            try:
+                fetched = await self.fetcher.fetch_chunks(
+                    manifest, lambda i, ref: self._route(head, publisher, i, ref), on_chunk=self.inflight.arrived,
+                    sink=assembly,
+                )
+                path = await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks)
+            except BaseException:
+                assembly.abort()  # not awaited: it must run even when this task is being cancelled
+                raise
         except BaseException:
             self.on_state()  # the card must stop advertising a fetch that is over
             raise

@@ -7,17 +7,23 @@
 Every write is write-to-temp then rename, so a crash never leaves a half chunk or half version
 that a reader (or the chunk server) could mistake for a whole one. A chunk is only ever stored
 after its bytes hash to its name.
+
+A version's files are assembled while its chunks arrive (`Assembly`): each chunk, verified in
+memory, is written straight to its places in the files, so installing is a rename rather than a
+second read, hash and copy of the whole model. Every byte of an installed file was checked
+against its chunk's hash in the signed manifest just before it was written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
 import os
 import re
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from echo2swarm.policy.manifest import Manifest
@@ -130,24 +136,38 @@ class VersionStore:
         except FileNotFoundError:
             return None
 
-    def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore) -> Path:
-        """Assemble every file of `manifest` from `chunks`, check whole-file hashes, then publish."""
-        final = self.dir(manifest.version)
-        if final.is_dir() and self.manifest_path(manifest.version).is_file():
+    def installed(self, version: int) -> bool:
+        return self.dir(version).is_dir() and self.manifest_path(version).is_file()
+
+    def begin(self, manifest: Manifest) -> "Assembly":
+        """Start assembling `manifest`'s files in a temp dir; chunks are written as they arrive."""
+        return Assembly(self.root, manifest)
+
+    def commit(self, assembly: "Assembly", envelope: bytes, chunks: ChunkStore) -> Path:
+        """Place the chunks still missing (from `chunks`, re-hashed), then publish the version atomically."""
+        version = assembly.manifest.version
+        final = self.dir(version)
+        if self.installed(version):
+            assembly.abort()
             return final
-        with atomic_dir(final, prefix=f".tmp-v{manifest.version}-") as tmp:
-            for entry in manifest.files:
-                digest = hashlib.sha256()
-                with open(tmp / entry.name, "wb") as out:
-                    for ref in entry.chunks:
-                        data = chunks.get(ref.sha256)
-                        digest.update(data)
-                        out.write(data)
-                if digest.hexdigest() != entry.sha256:
-                    raise ChunkHashError(f"{entry.name} assembled from verified chunks does not match its sha256")
+        try:
+            assembly.fill(chunks)
+            assembly.close()
+            if final.exists():  # a directory without its manifest: a crash before the manifest was written
+                shutil.rmtree(final)
+            os.replace(assembly.tmp, final)
+        except BaseException:
+            assembly.abort()
+            raise
         # The manifest goes last: a version counts as installed only once it is there.
-        _atomic_write(self.manifest_path(manifest.version), envelope)
+        _atomic_write(self.manifest_path(version), envelope)
         return final
+
+    def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore) -> Path:
+        """Assemble every file of `manifest` from stored chunks (each re-hashed as it is read), then publish."""
+        if self.installed(manifest.version):
+            return self.dir(manifest.version)
+        return self.commit(self.begin(manifest), envelope, chunks)
 
     def remove(self, version: int) -> None:
         self.manifest_path(version).unlink(missing_ok=True)
@@ -157,6 +177,62 @@ class VersionStore:
         for entry in self.root.iterdir():
             if entry.name.startswith(".tmp-"):
                 shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+class Assembly:
+    """One version's files in a temp dir, sized up front; `write` puts a verified chunk at each of its offsets.
+
+    Thread-safe for concurrent `write`s (each is a set of positioned writes to distinct ranges).
+    """
+
+    def __init__(self, root: Path, manifest: Manifest):
+        self.manifest = manifest
+        self.tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-v{manifest.version}-"))
+        self._fds: list[int] = []
+        self._places: dict[str, list[tuple[int, int]]] = {}  # sha256 -> (fd, offset) of every copy
+        self._written: set[str] = set()
+        self._lock = threading.Lock()
+        try:
+            for entry in manifest.files:
+                fd = os.open(self.tmp / entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self._fds.append(fd)
+                os.ftruncate(fd, entry.size)
+                offset = 0
+                for ref in entry.chunks:
+                    self._places.setdefault(ref.sha256, []).append((fd, offset))
+                    offset += ref.size
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, sha256: str, data: bytes) -> None:
+        """Place a chunk whose bytes the caller has checked against `sha256` (the signed manifest's)."""
+        view = memoryview(data)
+        for fd, offset in self._places.get(sha256, ()):
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        with self._lock:
+            self._written.add(sha256)
+
+    def fill(self, chunks: ChunkStore) -> None:
+        """Place the chunks nobody wrote (already stored before this fetch), hashing each as it is read."""
+        with self._lock:
+            missing = self._places.keys() - self._written
+        for sha256 in missing:
+            data = chunks.get(sha256)
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise ChunkHashError(f"stored chunk {sha256[:16]}... no longer matches its hash")
+            self.write(sha256, data)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def abort(self) -> None:
+        self.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int) -> list[int]:

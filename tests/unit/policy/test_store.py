@@ -174,3 +174,36 @@ def test_clean_temporaries(versions: VersionStore, chunks: ChunkStore, key: Poli
 
     assert sorted(p.name for p in versions.root.iterdir()) == ["v00000002", "v00000002.manifest"]
     assert versions.versions() == [2]
+
+
+def test_an_assembly_written_as_chunks_arrive_installs_by_rename(chunks: ChunkStore, versions: VersionStore,
+                                                                key: PolicyKey) -> None:
+    # "abcd" twice: one chunk, two places in the file.
+    files = {"model.safetensors": b"abcdXYZWabcd1234", "config.json": b'{"a": 1}'}
+    manifest, envelope, pieces = build(3, key, files)
+    assert len(manifest.chunk_refs()) < sum(len(f.chunks) for f in manifest.files)
+    arrived, stored_before = pieces[: len(pieces) // 2], pieces[len(pieces) // 2:]
+    put_all(chunks, stored_before)  # held from an earlier version: never fetched, filled at commit
+    assembly = versions.begin(manifest)
+    for piece in arrived:
+        chunks.put(sha256_hex(piece), piece)
+        assembly.write(sha256_hex(piece), piece)
+    assert versions.versions() == []  # nothing is visible before the commit
+
+    path = versions.commit(assembly, envelope, chunks)
+
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == files
+    assert versions.versions() == [3] and not any(p.name.startswith(".tmp-") for p in versions.root.iterdir())
+
+
+def test_an_assembly_refuses_a_stored_chunk_that_rotted_and_leaves_nothing(chunks: ChunkStore, versions: VersionStore,
+                                                                          key: PolicyKey) -> None:
+    manifest, envelope, pieces = build(6, key)
+    put_all(chunks, pieces)
+    chunks.path(sha256_hex(pieces[0])).write_bytes(b"XXXX")
+    assembly = versions.begin(manifest)
+
+    with pytest.raises(ChunkHashError):
+        versions.commit(assembly, envelope, chunks)
+
+    assert versions.versions() == [] and list(versions.root.iterdir()) == []
