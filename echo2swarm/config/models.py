@@ -141,6 +141,10 @@ class FetchConfig(StrictModel):
     """How followers fetch policy versions."""
 
     head_poll_s: float = Field(2.0, gt=0, description="Seconds between looks at the learner's head record.")
+    holders_refresh_s: float = Field(
+        2.0, ge=0.2, le=60, description="Seconds between reads of the peer cards (who holds what) during a fetch; "
+        "every read costs every DHT node some CPU, and holders change on the scale of whole versions.",
+    )
     manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
     chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")
     parallel_chunks: int = Field(4, ge=1, le=64, description="Chunks in flight at once.")

@@ -241,8 +241,8 @@ class PolicyFollower:
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
 
     async def _refresh_while_fetching(self) -> None:
-        while True:  # at most once a second: holders change on the scale of whole versions
-            await asyncio.sleep(max(1.0, self.fetch_config.head_poll_s))
+        while True:
+            await asyncio.sleep(self.fetch_config.holders_refresh_s)
             try:
                 await self._refresh_cards()
             except Exception as e:  # a DHT hiccup must not abort the fetch

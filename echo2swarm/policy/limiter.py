@@ -15,12 +15,14 @@ import time
 
 
 class RateLimiter:
-    def __init__(self, rate: float | None, burst: int = 256 * 1024):
+    def __init__(self, rate: float | None, burst: int | None = None):
         if rate is not None and rate <= 0:
             raise ValueError("rate must be positive bytes/s, or None for unlimited")
         self.rate = rate
-        # A burst no larger than one write block keeps the cap tight over sub-second windows.
-        self.burst = float(burst)
+        # One write block (256 KiB), or 50 ms of the rate where that is more: a writer that a busy
+        # host wakes up late is credited for the lateness instead of losing uplink it was owed, and
+        # the cap still holds to within one burst over any window.
+        self.burst = float(burst if burst is not None else max(256 * 1024, (rate or 0) * 0.05))
         self._tokens = self.burst
         self._stamp = time.monotonic()
         self._lock = asyncio.Lock()

@@ -80,6 +80,11 @@ def test_the_limiter_holds_the_rate_over_concurrent_writers():
     assert elapsed >= 0.9, f"2 MiB at 2 MiB/s (less one burst) took only {elapsed:.2f} s"
 
 
+def test_the_burst_covers_50_ms_of_a_fast_rate_and_one_write_block_of_a_slow_one():
+    assert RateLimiter(16 * 2**20).burst == 0.05 * 16 * 2**20  # a writer woken 50 ms late loses nothing
+    assert RateLimiter(2**20).burst == 256 * 1024  # slow caps stay tight: one 256 KiB block
+
+
 def test_an_unlimited_limiter_never_waits_and_rates_are_validated():
     limiter = RateLimiter(None)
     asyncio.run(limiter.take(10**9))
