@@ -223,7 +223,7 @@ class _DaemonBase(StrictModel):
         text = v.strip().removesuffix("/s") if isinstance(v, str) else v
         n = parse_bytes(text)  # type: ignore[arg-type]
         if not 64 * 1024 <= n <= 10**12:
-            raise ValueError("upload_limit is bytes per second, between 64KiB and 1TB (e.g. '16MiB')")
+            raise ValueError("upload_limit is bytes per second, between 64KiB and 1000GB (e.g. '16MiB')")
         return n
 
     @field_validator("state_dir")
