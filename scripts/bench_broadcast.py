@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -203,7 +204,10 @@ def main() -> None:
         rows = []
         for n in receivers:
             for mode in modes:
-                row = run_once(tmp_path / f"{mode}-{n}", model, key, n, mode, args)
+                run_dir = tmp_path / f"{mode}-{n}"
+                row = run_once(run_dir, model, key, n, mode, args)
+                if not args.keep:  # N peers x 2 copies of M each: in /dev/shm that is RAM the next run needs
+                    shutil.rmtree(run_dir, ignore_errors=True)
                 row.update(ideal_s=ideal, ratio=row["t_bcast_s"] / ideal, learner_copies=row["learner_bytes"] / model_bytes)
                 rows.append(row)
                 print(f"  {mode:>9} N={n:<3} T_bcast {row['t_bcast_s']:7.2f} s  ({row['ratio']:.2f}x ideal)  "
