@@ -152,7 +152,7 @@ def _at_lease_end(peer: Any, timeout: float) -> tuple[dict[str, Any], float]:
 
 
 def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespace,
-              cpus: tuple[set[int], set[int]] | None, host: str) -> dict[str, Any]:
+              cpus: tuple[set[int], set[int]] | None) -> dict[str, Any]:
     from echo2swarm.policy.signing import PolicyKey
     from echo2swarm.runtime.processes import DaemonProcess, loopback_args, wait_until
 
@@ -180,20 +180,14 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
             learner = DaemonProcess("learner", [*common, *join, "--config", str(config)], run_dir / "learner",
                                     env={"OMP_NUM_THREADS": "1"})
             daemons.append(learner.start())
-        # host = "engine-core": the whole peer on the engine's core. "other-core": only the engine
-        # computes there (engine.cpus); the daemon's own work shares the learner's core, as a GPU
-        # peer's host work runs on its CPUs while the GPU generates.
-        engine_cpus = {}
-        if host == "other-core" and peer_cpus is not None:
-            engine_cpus = {"ECHO2SWARM_ENGINE__CPUS": json.dumps(sorted(peer_cpus))}
-        with pinned(learner_cpus if engine_cpus else peer_cpus):
+        with pinned(peer_cpus):
             peer = DaemonProcess(
                 "rollout", [*common, *join, "--role", "rollout", "--engine", kind, "--trust", f"{key}.pub"],
                 run_dir / "rollout",
                 env={**ENGINE_ENV, "ECHO2SWARM_ENGINE__THREADS": "1",
                      "ECHO2SWARM_ENGINE__MAX_BATCH_SEQUENCES": str(args.prompts * args.group_size),
                      "ECHO2SWARM_ENGINE__VLLM__KV_CACHE_GIB": str(args.kv_cache_gib),
-                     "ECHO2SWARM_ENGINE__DEVICE": args.device, **engine_cpus},
+                     "ECHO2SWARM_ENGINE__DEVICE": args.device},
             )
             daemons.append(peer.start())
         learner.wait_ready(120)
@@ -233,9 +227,6 @@ def main() -> None:
     parser.add_argument("--warmup-batches", type=int, default=3, help="batches (leases) left out of the rate")
     parser.add_argument("--publish-every", type=int, default=1, help="kappa of the swarm's learner")
     parser.add_argument("--staleness", type=int, default=2, help="S of the swarm's learner")
-    parser.add_argument("--host", default="engine-core,other-core",
-                        help="where the peer daemon's own work runs, comma-separated runs: engine-core (all of the "
-                        "peer on the engine's core) and/or other-core (only generation on it, engine.cpus)")
     parser.add_argument("--hidden-size", type=int, default=128, help="model width (128: the tiny model, ~300k params)")
     parser.add_argument("--layers", type=int, default=2, help="model depth (2: the tiny model)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="vLLM KV cache (CPU)")
@@ -246,9 +237,6 @@ def main() -> None:
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.host = [h for h in args.host.split(",") if h]
-    if not args.host or set(args.host) - {"engine-core", "other-core"}:
-        parser.error("--host takes engine-core and/or other-core")
     args.passthrough = [f"--seconds={args.seconds}", f"--prompts={args.prompts}", f"--group-size={args.group_size}",
                         f"--max-new-tokens={args.max_new_tokens}", f"--warmup-batches={args.warmup_batches}",
                         f"--kv-cache-gib={args.kv_cache_gib}", f"--device={args.device}"]
@@ -273,13 +261,12 @@ def main() -> None:
             # Bare before and after the swarm run, on the same core: a shared VM's speed drifts by
             # 10-20% between minutes, so the swarm run is compared with the mean of the two.
             before = run_bare(kind, model_dir, args, split[1] if split else None)
-            swarms = {host: run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}-{host}", args, split, host)
-                      for host in args.host}
+            swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}", args, split)
             after = run_bare(kind, model_dir, args, split[1] if split else None)
             mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
             results[kind] = {"bare": {**before, "tokens_per_s": mean, "runs": [before["tokens_per_s"],
                                                                              after["tokens_per_s"]]},
-                             "swarm": swarms}
+                             "swarm": swarm}
 
     where = f"each engine alone on core {split[1]}" if split else "unpinned"
     print(f"\nrollout engines on a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
@@ -288,33 +275,31 @@ def main() -> None:
           f"{os.cpu_count()} CPU cores, {where}, 1 thread")
     print(f"{'engine':<14}{'run':<34}{'tokens/s':>10}{'busy tokens/s':>15}{'idle s':>8}{'versions':>10}"
           f"{'refit ms':>10}")
-    hosts = {"engine-core": "peer, all on the engine core", "other-core": "peer, host work off it"}
     for kind in engines:
-        b = results[kind]["bare"]
+        b, s = results[kind]["bare"], results[kind]["swarm"]
         label = "bare engine (mean of {:.0f}, {:.0f})".format(*b["runs"])
         print(f"{kind:<14}{label:<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}")
-        for host, s in results[kind]["swarm"].items():
-            refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
-            print(f"{'':<14}{hosts[host]:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}"
-                  f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}")
-    print(f"(swarm: kappa={args.publish_every}, S={args.staleness}; idle s: the learner had no work for the peer, "
-          "left out of busy tokens/s)")
+        refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
+        label = f"rollout peer, swarm (kappa={args.publish_every}, S={args.staleness})"
+        print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}"
+              f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}")
+    print("(idle s: the learner had no work for the peer, left out of busy tokens/s)")
     for kind in engines:
-        for host, s in results[kind]["swarm"].items():
-            print(f"{kind} {hosts[host]}: seconds of the {s['seconds']:.1f} s window: " + ", ".join(
-                f"{name.removesuffix('_s')} {value:.1f}" for name, value in s["split"].items()))
-            print(f"{'':<{len(kind) + 1}}CPU seconds by process: " + ", ".join(
-                f"{name} {value:.1f}" for name, value in sorted(s["cpu"].items(), key=lambda kv: -kv[1])))
+        s = results[kind]["swarm"]
+        print(f"{kind} peer, seconds of the {s['seconds']:.1f} s window: " + ", ".join(
+            f"{name.removesuffix('_s')} {value:.1f}" for name, value in s["split"].items()))
+        print(f"{kind} peer, CPU seconds by process: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in sorted(s["cpu"].items(), key=lambda kv: -kv[1])))
     print("(generate: the engine computing; starved: engine idle on a round trip; version_wait: waiting for a "
           "lease's version; lease/submit round trips overlap generation)")
     if "vllm" in results and "transformers" in results:
         ratio = results["vllm"]["bare"]["tokens_per_s"] / results["transformers"]["bare"]["tokens_per_s"]
         print(f"vllm / transformers, bare tokens/s: {ratio:.2f}")
     for kind in engines:
-        b = results[kind]["bare"]["tokens_per_s"]
-        for host, s in results[kind]["swarm"].items():
-            print(f"{kind}: rollout peer ({host}) / bare engine, busy tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
-                  f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}")
+        s, b = results[kind]["swarm"], results[kind]["bare"]["tokens_per_s"]
+        print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
+              f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}; while generating: "
+              f"{s['tokens_per_s'] * s['seconds'] / max(s['split']['generate_s'], 1e-9) / b:.2f}")
 
 if __name__ == "__main__":
     main()

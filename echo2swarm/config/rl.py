@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,16 +13,6 @@ from echo2swarm.runtime.devices import check_device_name
 # daemon preflight and again when the trainer or engine is built.
 Device = Annotated[str, AfterValidator(check_device_name)]
 
-
-def check_cpus(cpus: list[int]) -> list[int]:
-    """Pinning to cores this process may not use fails at the first batch; say so when the config loads."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if allowed is None:
-        raise ValueError("pinning to CPU cores needs Linux (os.sched_setaffinity); leave it unset here")
-    if not set(cpus) <= allowed:
-        raise ValueError(f"cores {sorted(set(cpus) - allowed)} are not among those this process may use "
-                         f"({sorted(allowed)})")
-    return sorted(set(cpus))
 
 
 class _Section(BaseModel):
@@ -125,11 +114,6 @@ class EngineConfig(_Section):
         "or cuda:N. vLLM picks its own device and ignores this.",
     )
     max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
-    cpus: Annotated[list[Annotated[int, Field(ge=0, le=65535)]], AfterValidator(check_cpus)] | None = Field(
-        None, min_length=1, max_length=4096,
-        description="CPU cores the engine computes on (its generation thread; vLLM's engine process when it starts). "
-        "The daemon's networking, hashing and disk work stay off them, as on a GPU peer. None: no pinning.",
-    )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings.")
 
 

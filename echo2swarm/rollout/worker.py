@@ -22,15 +22,12 @@ EWMA over real leases; advertised in the card as `rollouts_per_s` for the learne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
-import os
 import threading
 import time
 from collections import Counter
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from echo2swarm.config.models import RolloutConfig
@@ -83,7 +80,7 @@ class RolloutWorker:
         from echo2swarm.rollout.engines import make_engine
 
         started = time.perf_counter()
-        with self._lock, on_cpus(self.config.engine.cpus):  # an engine process started here inherits them
+        with self._lock:
             if self.engine is None:
                 engine = self.config.engine
                 self.engine = make_engine(engine.type, path, threads=engine.threads,
@@ -332,7 +329,7 @@ class RolloutWorker:
                                 top_p=spec.top_p, seed=spec.seed)
         started = self._generating_from = time.perf_counter()
         try:
-            with self._lock, on_cpus(self.config.engine.cpus):
+            with self._lock:
                 version = self.engine_version
                 outputs = self.engine.generate([p.text for p in lease.prompts], params)
         finally:
@@ -364,24 +361,6 @@ class RolloutWorker:
             )
             for prompt, completions in zip(lease.prompts, outputs)
         ]
-
-
-@contextlib.contextmanager
-def on_cpus(cpus: list[int] | None) -> Iterator[None]:
-    """Run the body on these cores (this thread only, Linux), then give the thread its cores back.
-
-    The engine's work runs on pool threads that also serve hashing and disk work: each call pins
-    and unpins, so only generation lands on the engine's cores.
-    """
-    if not cpus:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)  # pid 0 = the calling thread on Linux
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 def _model_fingerprint(path: Path) -> str:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import tomllib
 from pathlib import Path
 
@@ -279,12 +277,3 @@ def test_a_lease_wait_as_long_as_the_rpc_timeout_is_refused_by_name(tmp_path: Pa
     assert "worker.lease_wait_s" in msg and "worker.rpc_timeout_s" in msg
     assert rollout().worker.lease_wait_s < rollout().worker.rpc_timeout_s  # the defaults hold together
 
-
-def test_engine_cores_must_be_ones_this_process_may_use(tmp_path: Path) -> None:
-    allowed = sorted(os.sched_getaffinity(0))
-    assert rollout().engine.cpus is None
-    pinned = load_config("rollout", None, environ={"ECHO2SWARM_ENGINE__CPUS": json.dumps(allowed[-1:])})
-    assert pinned.engine.cpus == allowed[-1:]
-    msg = config_error(None, write_toml(tmp_path, f'role = "rollout"\n[engine]\ncpus = [{max(allowed) + 1}]\n'))
-    assert "engine.cpus" in msg and "not among those this process may use" in msg
-    assert "engine.cpus" in config_error(None, write_toml(tmp_path, 'role = "rollout"\n[engine]\ncpus = []\n'))
