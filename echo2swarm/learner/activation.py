@@ -58,11 +58,12 @@ class LearnerActivation:
     def on_step(self, busy_s: float) -> None:
         self.t_train.add(busy_s)
 
-    def on_delivery(self, peer: str, rollouts: int, seconds: float) -> None:
+    def on_delivery(self, peer: str, rollouts: int, seconds: float, latency: float | None = None) -> None:
+        """`rollouts` took the peer `seconds` of work; `latency` (default: `seconds`) from lease issue to delivery."""
         if rollouts <= 0 or seconds <= 0:
             return
         self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(rollouts / seconds)
-        self.l_gen.add(seconds)
+        self.l_gen.add(seconds if latency is None else latency)
 
     def inputs(self) -> CapacityInputs | None:
         if self.t_train.value is None or self.t_train.samples < self.config.min_steps:

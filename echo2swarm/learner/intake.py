@@ -6,7 +6,8 @@
 
 Activation: `gate(peer)` (the learner's cost-aware plan) may answer that a peer is on standby; it
 then gets `LeaseWait(standby=True)` and no work. Each completed submission reports the peer's
-delivered rollouts and the lease's latency to `on_delivery`, which the plan measures µ and L_gen by.
+delivered rollouts, the seconds it spent on them and the lease's latency to `on_delivery`, which
+the plan measures µ and L_gen by.
 
 Back-pressure: groups open in leases plus groups usable in the buffer never exceed
 (S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
@@ -73,7 +74,10 @@ class Intake:
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
         self._seeds = random.Random(train.seed)
         self.gate: Callable[[str], str | None] | None = None  # peer -> standby reason, None when it may work
-        self.on_delivery: Callable[[str, int, float], None] | None = None  # (peer, rollouts, seconds since issue)
+        # (peer, rollouts, seconds the peer spent on them, seconds from issue to delivery)
+        self.on_delivery: Callable[[str, int, float, float], None] | None = None
+        self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
+        self._carried: dict[str, int] = {}  # peer -> rollouts waiting to be reported with the next delivery
         self.seen: dict[str, float] = {}  # peer -> last lease request (clock)
 
     standby_retry_s = 1.0
@@ -197,6 +201,24 @@ class Intake:
         self.wake.set()
         return None
 
+    def _report_delivery(self, peer: str, tally: dict[str, tuple[float, int]]) -> None:
+        """µ from the seconds this peer spent on the lease, L_gen from issue to delivery.
+
+        A peer that works ahead (prefetched leases) holds a lease while it finishes the one before:
+        its issue-to-delivery time is longer than the work. So a µ sample covers the time since the
+        later of the lease's issue and the peer's previous delivery; two submissions landing
+        together are counted as one.
+        """
+        now = self.clock()
+        for issued_at, rollouts in tally.values():
+            since = max(issued_at, self._delivered_at.get(peer, issued_at))
+            rollouts += self._carried.pop(peer, 0)
+            if now - since < 0.01:
+                self._carried[peer] = rollouts
+                continue
+            self.on_delivery(peer, rollouts, now - since, now - issued_at)
+            self._delivered_at[peer] = now
+
     async def rpc_submit(self, messages: AsyncIterator[GroupSubmission | RpcError], peer: str) -> SubmitResult:
         accepted, refused = 0, Counter()
         tally: dict[str, tuple[float, int]] = {}
@@ -211,7 +233,5 @@ class Intake:
             else:
                 refused[reason] += 1
         if self.on_delivery is not None:
-            now = self.clock()
-            for issued_at, rollouts in tally.values():
-                self.on_delivery(peer, rollouts, now - issued_at)
+            self._report_delivery(peer, tally)
         return SubmitResult(accepted=accepted, refused=dict(refused))

@@ -167,3 +167,18 @@ def test_undecodable_text_is_refused_but_a_cut_multibyte_tail_is_not():
     cut = GroupSubmission(lease_id=lease.lease_id, prompt_id=pid, version=5, generation_s=0.1,
                           completions=[completion([5, 6, 7, 8], finish="length"), completion([6, EOS])])
     assert intake.accept(cut, A) is None
+
+
+def test_a_peer_working_ahead_is_measured_by_its_work_not_by_how_long_it_held_the_lease():
+    intake, now, seen = _intake(), [0.0], []
+    intake.clock = lambda: now[0]
+    intake.on_delivery = lambda peer, rollouts, busy, latency: seen.append((peer, rollouts, busy, latency))
+    now[0] = 1.0
+    intake._report_delivery(A, {"l1": (0.0, 16)})  # idle before: the work is issue to delivery
+    now[0] = 2.0
+    intake._report_delivery(A, {"l2": (0.5, 16)})  # prefetched at 0.5, worked on after l1 landed at 1.0
+    now[0] = 2.001
+    intake._report_delivery(A, {"l3": (1.0, 16)})  # landed with l2: carried into the next sample
+    now[0] = 3.0
+    intake._report_delivery(A, {"l4": (2.0, 16)})
+    assert seen == [(A, 16, 1.0, 1.0), (A, 16, 1.0, 1.5), (A, 32, 1.0, 1.0)]
