@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.runtime.devices import check_device_name
 
@@ -114,7 +114,32 @@ class EngineConfig(_Section):
         "or cuda:N. vLLM picks its own device and ignores this.",
     )
     max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
+    isolate: bool = Field(
+        True, description="Run the engine in a process of its own, so generation never shares the GIL with the "
+        "daemon's event loop (serving chunks, RPCs, the DHT). false: in a thread of the daemon.",
+    )
+    cpus: list[int] | None = Field(
+        None, min_length=1, description="Cores the engine process runs on (needs isolate), e.g. [2, 3]; its torch "
+        "threads default to their number. None: wherever the daemon runs.",
+    )
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vLLM engine settings.")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cores_exist(cls, cpus: list[int] | None) -> list[int] | None:
+        from echo2swarm.rollout.engines.host import check_cpus
+
+        if cpus is not None:
+            if len(set(cpus)) != len(cpus) or min(cpus) < 0:
+                raise ValueError(f"engine.cpus must list distinct core numbers >= 0, got {cpus}")
+            check_cpus(cpus)
+        return cpus
+
+    @model_validator(mode="after")
+    def _cpus_need_a_process(self) -> "EngineConfig":
+        if self.cpus is not None and not self.isolate:
+            raise ValueError("engine.cpus pins the engine's own process: it needs engine.isolate = true")
+        return self
 
 
 class WorkerConfig(_Section):
@@ -147,6 +172,11 @@ class WorkerConfig(_Section):
     calibration_max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length of the calibration batch "
                                             "(until a lease shows the task's own).")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest lease in the rollouts/s average.")
+    max_refit_share: float = Field(
+        0.05, gt=0, le=1, description="Most of the engine's time spent loading new policy versions. A version is "
+        "loaded at once if the last load's seconds / this share have passed since it started; else the newest one "
+        "waits until then, or until a lease needs it (staleness). 1: load every version as it arrives.",
+    )
 
     @model_validator(mode="after")
     def _held_requests_fit_the_timeout(self) -> "WorkerConfig":

@@ -68,6 +68,9 @@ class FollowerService:
         finally:
             for task in tasks:
                 task.cancel()
+            if self.worker is not None:
+                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.to_thread(self.worker.close)
 
     async def announce(self) -> None:
         return None
@@ -87,7 +90,10 @@ class FollowerService:
         if self.worker is not None:
             worker = {"worker": self.worker.snapshot(), "rollouts_per_s": self.worker.rollouts_per_s,
                       "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s,
-                      "engine": getattr(self.worker.engine, "name", None), "refit_s": self.worker.refit_s}
+                      "engine": getattr(self.worker.engine, "name", None), "refit_s": self.worker.refit_s,
+                      "engine_pid": getattr(self.worker.engine, "pid", None),
+                      "engine_restarts": getattr(self.worker.engine, "restarts", 0),
+                      "engine_busy_s": getattr(self.worker.engine, "busy_s", None)}
         return {
             **worker,
             "refused_heads": dict(self.follower.refused),
