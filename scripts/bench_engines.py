@@ -2,26 +2,35 @@
 """Rollout engines, bare and through the swarm, in one invocation.
 
     python scripts/bench_engines.py [--engines transformers,vllm] [--seconds 20] [--publish-every 1]
+                                    [--layout engine-core|one-core|in-thread]
 
 1. Bare engines: each engine, in a process of its own, generates lease-sized batches (arith
    prompts x group size, temperature 1) for --seconds: completion tokens/s.
 2. The same engine inside a rollout peer: bootstrap + learner (GRPO, a signed version every
    --publish-every steps) + one rollout peer on 127.0.0.1. The peer's tokens/s is read from its
    own counters over --seconds, after a few leases of start-up; it includes leases, submits,
-   fetching and verifying versions, and the in-place weight refits.
+   fetching and verifying versions, and the in-place weight loads.
+3. The bare engine again, on the weights the peer ended with (training changes completion
+   lengths, and tokens/s with them); the peer is compared with the mean of the two bare runs.
 
-Fairness on a small machine: every measured engine runs alone on one core, the same core in both
-parts (the learner, the bootstrap node and the bench itself are pinned to the other), with one
-thread (OMP_NUM_THREADS=1). A learner on one core can train slower than a fast engine generates;
-the peer is then told to wait for work. Those seconds are the learner's limit, not the peer's
-overhead, so the table shows them (idle s) and the peer's rate over the rest of the window
-(busy tokens/s) next to its rate over the whole window.
+Fairness on a small machine: the measured engine runs alone on one core, the same core in both
+parts, with one thread (OMP_NUM_THREADS=1); the learner, the bootstrap node and the bench itself
+are pinned to the other. --layout says where the rest of the rollout peer runs: `engine-core`
+(default) is the production shape, the engine in its own process on that core (`engine.cpus`)
+and the daemon's control plane (DHT, chunk server, RPCs) beside the learner, as a GPU peer's
+daemon runs on host cores beside the GPU it drives; `one-core` puts the daemon on the engine's
+core too; `in-thread` runs the engine in a thread of the daemon (`engine.isolate = false`).
 
-The bare engine runs before and after the swarm run; the peer is compared with their mean.
+A learner on one core can train slower than a fast engine generates; the peer is then told to
+wait for work. Those seconds are the learner's limit, not the peer's overhead, so the table shows
+them (idle s) and the peer's rate over the rest of the window (busy tokens/s) next to its rate
+over the whole window. A shared VM loses seconds to its neighbours: the hypervisor's "steal" on
+the engine's core is printed for every window; a window with much of it measured the host.
 
 Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95), where the peer's seconds
-went (generating, starved for a lease, waiting for a version, round trips that overlapped) and its
-processes' CPU seconds.
+went (generating, starved for a lease, waiting for a version, round trips that overlapped), the
+engine process's own compute seconds, weight loads, the learner's staleness and stale drops, and
+CPU seconds by process.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,14 +91,31 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
     for seed in range(args.warmup_batches):
         batch(seed)
     tokens = rollouts = calls = 0
+    stolen = steal_s(os.sched_getaffinity(0))
     started = time.perf_counter()
     while time.perf_counter() - started < args.seconds:
         t, r = batch(1000 + calls)
         tokens, rollouts, calls = tokens + t, rollouts + r, calls + 1
     seconds = time.perf_counter() - started
+    stolen = steal_s(os.sched_getaffinity(0)) - stolen
     engine.close()
     return {"engine": engine.name, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
-            "batches": calls, "seconds": seconds, "build_s": build_s}
+            "tokens_per_rollout": tokens / max(rollouts, 1),
+            "batches": calls, "seconds": seconds, "build_s": build_s, "steal_s": stolen}
+
+
+def steal_s(cores: set[int] | None) -> float:
+    """Seconds the hypervisor ran something else while these cores (all, if None) had work: /proc/stat "steal".
+    A VM's neighbours take them; a window with much steal measured the host, not our code."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or len(fields) < 8:
+            continue
+        if cores is None or int(name[3:]) in cores:
+            total += int(fields[7])
+    return total / tick
 
 
 def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
@@ -152,7 +179,7 @@ def _at_lease_end(peer: Any, timeout: float) -> tuple[dict[str, Any], float]:
 
 
 def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespace,
-              cpus: tuple[set[int], set[int]] | None) -> dict[str, Any]:
+              cpus: tuple[set[int], set[int]] | None, layout: str) -> dict[str, Any]:
     from echo2swarm.policy.signing import PolicyKey
     from echo2swarm.runtime.processes import DaemonProcess, loopback_args, wait_until
 
@@ -180,14 +207,21 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
             learner = DaemonProcess("learner", [*common, *join, "--config", str(config)], run_dir / "learner",
                                     env={"OMP_NUM_THREADS": "1"})
             daemons.append(learner.start())
-        with pinned(peer_cpus):
+        env = {**ENGINE_ENV, "ECHO2SWARM_ENGINE__THREADS": "1",
+               "ECHO2SWARM_ENGINE__MAX_BATCH_SEQUENCES": str(args.prompts * args.group_size),
+               "ECHO2SWARM_ENGINE__VLLM__KV_CACHE_GIB": str(args.kv_cache_gib),
+               "ECHO2SWARM_ENGINE__DEVICE": args.device}
+        daemon_cpus = peer_cpus
+        if layout == "engine-core" and peer_cpus is not None:
+            # The engine's process alone on its core; the daemon's own work beside the learner.
+            env["ECHO2SWARM_ENGINE__CPUS"] = json.dumps(sorted(peer_cpus))
+            daemon_cpus = learner_cpus
+        elif layout == "in-thread":
+            env["ECHO2SWARM_ENGINE__ISOLATE"] = "false"
+        with pinned(daemon_cpus):
             peer = DaemonProcess(
                 "rollout", [*common, *join, "--role", "rollout", "--engine", kind, "--trust", f"{key}.pub"],
-                run_dir / "rollout",
-                env={**ENGINE_ENV, "ECHO2SWARM_ENGINE__THREADS": "1",
-                     "ECHO2SWARM_ENGINE__MAX_BATCH_SEQUENCES": str(args.prompts * args.group_size),
-                     "ECHO2SWARM_ENGINE__VLLM__KV_CACHE_GIB": str(args.kv_cache_gib),
-                     "ECHO2SWARM_ENGINE__DEVICE": args.device},
+                run_dir / "rollout", env=env,
             )
             daemons.append(peer.start())
         learner.wait_ready(120)
@@ -196,22 +230,45 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
         wait_until(lambda: _info(peer).get("worker", {}).get("rollouts", 0) >= skip, args.timeout,
                    interval=0.5, what=f"{kind} peer to generate {skip} rollouts")
         first, t1, cpu1 = *_at_lease_end(peer, args.timeout), tree_cpu(peer.pid)
+        stolen = steal_s(peer_cpus)
         time.sleep(args.seconds)  # the measurement window itself, not a wait for a condition
         last, t2, cpu2 = *_at_lease_end(peer, args.timeout), tree_cpu(peer.pid)
+        stolen = steal_s(peer_cpus) - stolen
         learner_stats = _info(learner)
     finally:
         for d in reversed(daemons):
             d.terminate()
+    # The policy the peer ended the window with: the bare engine's second run uses it, so both
+    # sides generate from comparable policies (training changes completion lengths, and with them
+    # tokens/s: shorter completions spend more of each batch on prefill).
+    from echo2swarm.policy.store import VersionStore
+
+    from echo2swarm.learner.metrics import read_metrics
+
+    steps = read_metrics(run_dir / "learner" / "run" / "metrics.jsonl")
+    staleness = [s for record in steps for s in record["staleness"]]
+    learning = {"steps": len(steps), "mean_staleness": sum(staleness) / max(len(staleness), 1),
+                "accepted": steps[-1]["accepted"] if steps else 0,
+                "dropped_stale": steps[-1]["dropped"].get("stale", 0) if steps else 0,
+                "refused": steps[-1]["refused"] if steps else {}}
+    store = VersionStore(run_dir / "rollout")
+    trained = run_dir / "trained-model"
+    shutil.copytree(store.dir(store.latest()), trained)
     seconds = t2 - t1
     worker_first, worker_last = first.get("worker", {}), last.get("worker", {})
     delta = lambda name: worker_last.get(name, 0) - worker_first.get(name, 0)  # noqa: E731
     busy = seconds - delta("wait_s")
-    return {"engine": last.get("engine"), "tokens_per_s": delta("tokens") / seconds,
+    return {"engine": last.get("engine"), "tokens_per_s": delta("tokens") / seconds, "trained_model": trained,
+            "learning": learning, "refits": delta("refits"), "steal_s": stolen, "refits_deferred": delta("refits_deferred"),
+            "tokens_per_rollout": delta("tokens") / max(delta("rollouts"), 1),
+            "rollouts_per_batch": delta("rollouts") / max(delta("batches"), 1),
             "busy_tokens_per_s": delta("tokens") / busy, "wait_s": delta("wait_s"),
             "rollouts_per_s": delta("rollouts") / seconds, "seconds": seconds, "waits": delta("waits"),
             "versions": (last.get("engine_version") or 0) - (first.get("engine_version") or 0),
             "refit_s": last.get("refit_s"), "learner_version": learner_stats.get("published_version"),
             "cpu": {name: round(cpu2[name] - cpu1.get(name, 0.0), 2) for name in cpu2},
+            "host_busy_s": {k: v - ((first.get("engine_busy_s") or {}).get(k, 0.0))
+                            for k, v in (last.get("engine_busy_s") or {}).items()},
             "split": {name: delta(name) for name in ("generate_s", "starved_s", "version_wait_s", "lease_rpc_s",
                                                      "submit_rpc_s")}}
 
@@ -234,6 +291,13 @@ def main() -> None:
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--device", default="cpu", help="torch device of the transformers engine and the learner "
                         "(cpu, cuda, cuda:N); vLLM picks its own")
+    parser.add_argument("--layout", choices=("engine-core", "one-core", "in-thread"), default="engine-core",
+                        help="where the peer runs. engine-core: its engine process alone on the bare engine's core "
+                        "(engine.cpus), the daemon beside the learner; one-core: daemon and engine process share "
+                        "that core; in-thread: the engine in a thread of the daemon (engine.isolate = false), "
+                        "sharing that core")
+    parser.add_argument("--rounds", type=int, default=1, help="bare / swarm / bare sequences per engine; the ratio "
+                        "is reported per round and averaged (one round moves by ~5-10 %% on a shared VM)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -252,54 +316,101 @@ def main() -> None:
     engines = args.engines.split(",") if args.engines else ["transformers", *(["vllm"] if vllm_installed() else [])]
     cores = sorted(os.sched_getaffinity(0))
     split = None if args.no_pin or len(cores) < 2 else ({cores[0]}, {cores[-1]})
-    results: dict[str, dict[str, dict[str, Any]]] = {}
+    results: dict[str, list[dict[str, dict[str, Any]]]] = {kind: [] for kind in engines}
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp, pinned(split[0] if split else None):
         model_dir = write_tiny_model(Path(tmp) / "model", seed=0, hidden_size=args.hidden_size,
                                      num_layers=args.layers)
         params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
-        for kind in engines:
-            # Bare before and after the swarm run, on the same core: a shared VM's speed drifts by
-            # 10-20% between minutes, so the swarm run is compared with the mean of the two.
-            before = run_bare(kind, model_dir, args, split[1] if split else None)
-            swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}", args, split)
-            after = run_bare(kind, model_dir, args, split[1] if split else None)
-            mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
-            results[kind] = {"bare": {**before, "tokens_per_s": mean, "runs": [before["tokens_per_s"],
-                                                                             after["tokens_per_s"]]},
-                             "swarm": swarm}
+        for round_ in range(args.rounds):
+            for kind in engines:
+                # Bare before and after the swarm run, on the same core: a shared VM's speed drifts by
+                # 10-20% between minutes, so the swarm run is compared with the mean of the two.
+                before = run_bare(kind, model_dir, args, split[1] if split else None)
+                swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}-{round_}", args, split, args.layout)
+                after = run_bare(kind, swarm["trained_model"], args, split[1] if split else None)
+                shutil.rmtree(Path(tmp) / f"swarm-{kind}-{round_}", ignore_errors=True)
+                mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+                results[kind].append({"bare": {**before, "tokens_per_s": mean,
+                                               "runs": [before["tokens_per_s"], after["tokens_per_s"]],
+                                               "lengths": [before["tokens_per_rollout"], after["tokens_per_rollout"]],
+                                               "steals": [before["steal_s"], after["steal_s"]]},
+                                      "swarm": swarm})
 
     where = f"each engine alone on core {split[1]}" if split else "unpinned"
     print(f"\nrollout engines on a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
           f"{args.layers} layers, float32): {args.prompts} arith prompts x {args.group_size} samples x "
           f"<= {args.max_new_tokens} new tokens per batch/lease, T=1; {args.seconds:.0f} s windows; "
-          f"{os.cpu_count()} CPU cores, {where}, 1 thread")
+          f"{os.cpu_count()} CPU cores, {where}, 1 thread; peer layout {args.layout}; "
+          f"swarm: kappa={args.publish_every}, S={args.staleness}")
+    for round_ in range(args.rounds):
+        print(f"\n== round {round_ + 1} of {args.rounds}")
+        report({kind: results[kind][round_] for kind in engines}, args)
+    print("\n== summary")
+    if "vllm" in results and "transformers" in results:
+        ratios = [v["bare"]["tokens_per_s"] / t["bare"]["tokens_per_s"]
+                  for v, t in zip(results["vllm"], results["transformers"])]
+        print(f"vllm / transformers, bare tokens/s: {', '.join(f'{r:.2f}' for r in ratios)}")
+    for kind in engines:
+        busy = [r["swarm"]["busy_tokens_per_s"] / r["bare"]["tokens_per_s"] for r in results[kind]]
+        share = [computing_share(r["swarm"]) for r in results[kind]]
+        print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s, by round: "
+              f"{', '.join(f'{b:.2f}' for b in busy)}; mean {sum(busy) / len(busy):.2f} (target >= 0.95)")
+        if all(x is not None for x in share):
+            print(f"{kind}: share of the busy window the engine spent generating, by round: "
+                  f"{', '.join(f'{100 * x:.1f} %' for x in share)} (the rest: weight loads, round trips not hidden)")
+
+
+def computing_share(s: dict[str, Any]) -> float | None:
+    """Seconds the engine process generated / seconds the peer had work: the swarm's overhead, free of the
+    VM's speed drift (both sides of the ratio are the same window)."""
+    if not s["host_busy_s"]:
+        return None
+    return s["host_busy_s"]["generate"] / max(s["seconds"] - s["wait_s"], 1e-9)
+
+
+def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    engines = list(results)
     print(f"{'engine':<14}{'run':<34}{'tokens/s':>10}{'busy tokens/s':>15}{'idle s':>8}{'versions':>10}"
-          f"{'refit ms':>10}")
+          f"{'refit ms':>10}{'tokens/rollout':>16}")
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
         label = "bare engine (mean of {:.0f}, {:.0f})".format(*b["runs"])
-        print(f"{kind:<14}{label:<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}")
+        lengths = "{:.1f}, {:.1f}".format(*b["lengths"])
+        print(f"{kind:<14}{label:<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}{'':>28}{lengths:>16}")
         refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
-        label = f"rollout peer, swarm (kappa={args.publish_every}, S={args.staleness})"
+        label = f"rollout peer, swarm ({args.layout})"
         print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}"
-              f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}")
-    print("(idle s: the learner had no work for the peer, left out of busy tokens/s)")
+              f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}{s['tokens_per_rollout']:>16.1f}")
+    print("(bare engine: before the swarm run on the initial weights, after it on the peer's last version; "
+          "idle s: the learner had no work for the peer, left out of busy tokens/s)")
     for kind in engines:
-        s = results[kind]["swarm"]
+        b, s = results[kind]["bare"], results[kind]["swarm"]
         print(f"{kind} peer, seconds of the {s['seconds']:.1f} s window: " + ", ".join(
             f"{name.removesuffix('_s')} {value:.1f}" for name, value in s["split"].items()))
+        if s["host_busy_s"]:
+            busy = s["host_busy_s"]
+            print(f"{kind} peer, seconds its engine process computed: generate {busy['generate']:.1f} "
+                  f"({s['tokens_per_s'] * s['seconds'] / max(busy['generate'], 1e-9):.0f} tokens/s), "
+                  f"load weights {busy['load']:.2f}")
+        learning = s["learning"]
+        print(f"{kind} peer, batches in the window: {s['rollouts_per_batch']:.1f} rollouts each on average "
+              f"(bare: {args.prompts * args.group_size}; a lease is smaller when the learner needs fewer prompts)")
+        print(f"{kind} peer, weight loads in the window: {s['refits']} (versions left for a newer one: "
+              f"{s['refits_deferred']}); learner over the whole run: {learning['steps']} steps, trained groups' mean "
+              f"staleness {learning['mean_staleness']:.2f} (S={args.staleness}), {learning['dropped_stale']} of "
+              f"{learning['accepted']} accepted groups dropped as too stale, refused: {learning['refused'] or 'none'}")
         print(f"{kind} peer, CPU seconds by process: " + ", ".join(
             f"{name} {value:.1f}" for name, value in sorted(s["cpu"].items(), key=lambda kv: -kv[1])))
-    print("(generate: the engine computing; starved: engine idle on a round trip; version_wait: waiting for a "
+        print(f"{kind}: seconds the VM's hypervisor took from the engine's core (steal): bare runs "
+              f"{b['steals'][0]:.1f} and {b['steals'][1]:.1f} of {args.seconds:.0f} s, swarm window {s['steal_s']:.1f}")
+    print("(generate: a batch in the engine; starved: engine idle on a round trip; version_wait: waiting for a "
           "lease's version; lease/submit round trips overlap generation)")
-    if "vllm" in results and "transformers" in results:
-        ratio = results["vllm"]["bare"]["tokens_per_s"] / results["transformers"]["bare"]["tokens_per_s"]
-        print(f"vllm / transformers, bare tokens/s: {ratio:.2f}")
     for kind in engines:
         s, b = results[kind]["swarm"], results[kind]["bare"]["tokens_per_s"]
         print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
               f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}; while generating: "
               f"{s['tokens_per_s'] * s['seconds'] / max(s['split']['generate_s'], 1e-9) / b:.2f}")
+
 
 if __name__ == "__main__":
     main()
