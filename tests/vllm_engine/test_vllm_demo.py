@@ -43,8 +43,10 @@ def test_demo_learns_with_vllm_peers(tmp_path: Path) -> None:
     for peer in ("rollout-1", "rollout-2"):
         log = (run_dir / peer / "daemon.log").read_text()
         assert "rollout engine: vllm (asked for 'vllm')" in log
-        # Every version after the first was swapped into the running engine, never a rebuilt one.
+        # New versions were swapped into the running engine, never into a rebuilt one. Not every
+        # one of the 200: a peer whose loads would take over worker.max_refit_share of its time
+        # skips versions while the staleness window allows.
         assert log.count("vllm engine: ") == 1, log[-2000:]
         refits = [float(s) for s in re.findall(r"reloaded \d+ tensors from \S+ in place in ([\d.]+) s", log)]
-        assert len(refits) >= 100, len(refits)
+        assert len(refits) >= 40, len(refits)
         print(f"{peer}: {len(refits)} in-place refits, median {sorted(refits)[len(refits) // 2] * 1000:.0f} ms")
