@@ -89,8 +89,10 @@ class Intake:
     def budget(self, held_version: int | None = None) -> int:
         committed = self.leases.open_prompts() + self.buffer.count_usable(self.version)
         budget = self.capacity - committed
-        if held_version is not None and held_version < self.published_version:
-            # Groups of version h can train steps up to h + S; the committed ones train first.
+        if held_version is not None and held_version < self.version:
+            # Groups of version h can train steps up to h + S; the committed ones train first. While a
+            # step trains, `version` is already the next step, so a peer holding even the newest
+            # published version has one step fewer left than a full window: lease only that much.
             steps_left = held_version + self.train.staleness - self.version + 1
             budget = min(budget, steps_left * self.train.prompts_per_step - committed)
         return budget

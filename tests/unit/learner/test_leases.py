@@ -119,6 +119,18 @@ def test_intake_budget_caps_work_in_flight_and_tells_stale_holders_to_fetch():
     assert isinstance(reply, LeaseWait) and "fetch v6" in reply.reason
 
 
+def test_mid_step_leases_cover_only_the_steps_their_version_can_still_train():
+    # While step 5 trains, the intake serves step 6 and v6 is not published yet: groups of v5 can
+    # train steps 6 and 7 only (S = 2), so 2 steps x 2 prompts, not the full window of 3 steps.
+    intake = _intake(staleness=2, prompts_per_step=2)
+    intake.version = 6
+    got = [asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)) for _ in range(3)]
+    assert [type(r) for r in got] == [Lease, Lease, LeaseWait]
+    assert not got[2].fetch_first  # v5 is the newest there is: nothing to fetch, just enough work out
+    intake.published_version = 6  # once v6 is out, a peer holding it gets the window's last step too
+    assert isinstance(asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=6), B)), Lease)
+
+
 def test_a_held_lease_request_is_answered_the_moment_work_is_freed():
     async def scenario() -> None:
         intake = _intake(staleness=1, prompts_per_step=2)  # capacity 4 prompts: two leases of 2
