@@ -338,6 +338,7 @@ class RolloutWorker:
                     self._stop_waiting()
                 continue
             self._set_active(True)
+            self.stats["leases"] += 1
             queue.put_nowait((learner, reply, time.monotonic()))
 
     def _engine_took(self) -> None:

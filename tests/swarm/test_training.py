@@ -37,6 +37,15 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     for d in (learner, rogue, survivor, victim):
         local_swarm.ready(d)
     wait_until(lambda: len(read_metrics(_metrics(learner))) >= 8, 120, interval=0.2, what="8 training steps")
+    # Killed while it holds a lease it has not generated yet: its engine process may take seconds to
+    # start on a busy machine, and the learner leases no more than the staleness window can train.
+    victim_info = victim.info["chunk_url"] + "/v1/info"
+
+    def delivered_and_holds_a_lease() -> bool:
+        worker = http_json(victim_info)["stats"].get("worker", {})
+        return worker.get("groups_accepted", 0) > 0 and worker.get("leases", 0) > worker.get("batches", 0)
+
+    wait_until(delivered_and_holds_a_lease, 90, interval=0.02, what="the slow peer to deliver and hold a lease")
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = len(read_metrics(_metrics(learner)))
     assert learner.proc is not None

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.models import engine_model_dirs
 import torch
 from transformers import DynamicCache
 
@@ -20,21 +19,7 @@ from echo2swarm.rollout.engines.hf import TransformersEngine
 
 EOS = 2
 MIXED_PROMPTS = ["1", "12+3=", "7+8=", "abc, 99*3-4="]  # lengths 1, 5, 4, 12: real left padding
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # The reference forwards run in the test process itself; on a busy 2-core box two intra-op
-    # threads make these tiny matmuls ~10x slower (OpenMP spin-waits), one thread never does.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return engine_model_dirs(tmp_path_factory.mktemp("engine"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.models import engine_model_dirs
 
 from echo2swarm.rollout.engines import SamplingParams, make_engine
 from echo2swarm.rollout.engines.host import EngineProcessError, ProcessEngine, check_cpus
@@ -26,19 +24,7 @@ from echo2swarm.runtime.processes import wait_until
 PROMPTS = ["12+3=", "7+8=", "abc, 99*3-4="]
 SAMPLED = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=11)
 GREEDY = SamplingParams(n=1, max_new_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return engine_model_dirs(tmp_path_factory.mktemp("engine"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def in_process(model_dir: Path, params: SamplingParams) -> list:
