@@ -21,14 +21,6 @@ def _stats(daemon: Any) -> dict[str, Any]:
     return http_json(daemon.info["chunk_url"] + "/v1/info")["stats"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")
-
-
 def test_a_killed_engine_process_is_replaced_and_a_killed_daemon_leaves_none(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path,
 ) -> None:
@@ -51,13 +43,13 @@ def test_a_killed_engine_process_is_replaced_and_a_killed_daemon_leaves_none(
                        and s["worker"].get("rollouts", 0) >= before + 64 and s, 120, interval=0.2,
                        what="a new engine process and 64 more rollouts")
     second = stats["engine_pid"]
-    assert second != first and not _alive(first) and _alive(second)
+    assert second != first and not pid_alive(first) and pid_alive(second)
     accepted = stats["worker"].get("groups_accepted", 0)
     wait_until(lambda: _stats(peer)["worker"].get("groups_accepted", 0) > accepted, 60, interval=0.2,
                what="the learner to accept groups from the new engine")
 
     os.kill(peer.pid, signal.SIGKILL)  # no cleanup code of the daemon runs
-    wait_until(lambda: not _alive(second), 15, interval=0.05, what="the orphaned engine process to exit")
+    wait_until(lambda: not pid_alive(second), 15, interval=0.05, what="the orphaned engine process to exit")
     for pid in child_pids(peer.pid):
         assert not pid_alive(pid)
 

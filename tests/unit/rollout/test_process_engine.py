@@ -19,7 +19,7 @@ import pytest
 from echo2swarm.rollout.engines import SamplingParams, make_engine
 from echo2swarm.rollout.engines.host import EngineProcessError, ProcessEngine, check_cpus
 from echo2swarm.rollout.engines.runner import ThreadRunner, VersionMismatch
-from echo2swarm.runtime.processes import wait_until
+from echo2swarm.runtime.processes import pid_alive, wait_until
 
 PROMPTS = ["12+3=", "7+8=", "abc, 99*3-4="]
 SAMPLED = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=11)
@@ -35,20 +35,11 @@ def in_process(model_dir: Path, params: SamplingParams) -> list:
         engine.close()
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped yet counts as exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
-
-
 def test_outputs_and_refits_match_the_engine_in_process(model_dirs: dict[str, Path]) -> None:
     engine = ProcessEngine("transformers", model_dirs["seed0"], threads=1)
     try:
         assert engine.name == "transformers"
-        assert engine.pid != os.getpid() and not gone(engine.pid)
+        assert engine.pid != os.getpid() and pid_alive(engine.pid)
         assert engine.generate(PROMPTS, SAMPLED) == in_process(model_dirs["seed0"], SAMPLED)
         assert engine.generate(PROMPTS, GREEDY) == in_process(model_dirs["seed0"], GREEDY)
 
@@ -127,7 +118,7 @@ def test_a_killed_host_fails_the_call_and_the_next_call_restarts_on_the_newest_w
         os.kill(first, signal.SIGKILL)
         with pytest.raises(EngineProcessError, match="exited"):
             engine.generate(PROMPTS, SAMPLED)
-        assert gone(first)
+        assert not pid_alive(first)
         # A new host, on seed1 (the newest weights that loaded), not on the seed0 it started with.
         assert engine.generate(PROMPTS, SAMPLED) == in_process(model_dirs["seed1"], SAMPLED)
         assert engine.restarts == 1 and engine.pid != first
@@ -156,10 +147,10 @@ def test_the_host_exits_when_its_daemon_is_killed(model_dirs: dict[str, Path], t
     owner = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         host = int(owner.stdout.readline())
-        assert not gone(host)
+        assert pid_alive(host)
         owner.kill()  # SIGKILL: no cleanup code of the owner runs
         owner.wait(timeout=10)
-        wait_until(lambda: gone(host), 15, interval=0.05, what="the orphaned engine host to exit")
+        wait_until(lambda: not pid_alive(host), 15, interval=0.05, what="the orphaned engine host to exit")
     finally:
         owner.kill()
         owner.wait()
