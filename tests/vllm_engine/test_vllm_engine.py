@@ -159,8 +159,10 @@ def test_refit_in_place(engine: Engine, reference: dict[str, TransformersEngine]
     before_sampled = engine.generate(prompts, sampled)
     llm = engine._llm  # type: ignore[attr-defined]
 
+    # On a CPU, unquantized: loaded straight into the kept checkpoint-layout weights, then repacked.
+    assert engine.refit_mode == "direct"  # type: ignore[attr-defined]
     seconds = engine.load_weights(model_dirs["seed1"])
-    print(f"\nvLLM in-place refit of the tiny model: {seconds * 1000:.1f} ms")
+    print(f"\nvLLM in-place refit of the tiny model ({engine.refit_mode}): {seconds * 1000:.1f} ms")  # type: ignore[attr-defined]
 
     assert engine._llm is llm  # type: ignore[attr-defined]  # same engine: no restart
     # The same prompts again: a prefix cache still holding the old weights' KV would show here.
@@ -183,6 +185,8 @@ def test_refit_in_place(engine: Engine, reference: dict[str, TransformersEngine]
     assert "unexpected: model.layers.1.mlp.gate_proj.weight_typo" in str(caught.value)
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         engine.load_weights(model_dirs["seed0"].parent)
+    with pytest.raises(ValueError, match=r"truncated/model\.safetensors: not a readable safetensors file"):
+        engine.load_weights(model_dirs["truncated"])
     assert_same_as_transformers(engine.generate(prompts, GREEDY), reference["seed1"].generate(prompts, GREEDY))
 
     # And back: the module's engine leaves with the weights it came with.
@@ -191,3 +195,26 @@ def test_refit_in_place(engine: Engine, reference: dict[str, TransformersEngine]
     assert [[c.token_ids for c in g] for g in engine.generate(prompts, sampled)] == [
         [c.token_ids for c in g] for g in before_sampled
     ]
+
+
+def test_direct_refit_equals_reload_weights(
+    engine: Engine, reference: dict[str, TransformersEngine], model_dirs: dict[str, Path]
+) -> None:
+    """The direct refit and vLLM's own reload_weights leave the same model, version after version."""
+    other = make_engine("vllm", model_dirs["seed0"],
+                        vllm_options={"kv_cache_gib": 0.25, "block_size": 32, "direct_refit": False})
+    try:
+        assert other.refit_mode == "reload_weights"  # type: ignore[attr-defined]
+        sampled = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=11)
+        prompts = [*MIXED_PROMPTS, LONG_PROMPT]
+        timings: dict[str, list[float]] = {"direct": [], "reload_weights": []}
+        for name in ("seed1", "seed0", "seed1", "seed0"):
+            for built in (engine, other):
+                timings[built.refit_mode].append(built.load_weights(model_dirs[name]))  # type: ignore[attr-defined]
+            direct, reloaded = engine.generate(prompts, sampled), other.generate(prompts, sampled)
+            assert_same_as_transformers(direct, reloaded)
+            assert_matches(reference[name], prompts, direct, 1.0)
+        print("\nrefit ms, median of 4: " + ", ".join(
+            f"{mode} {sorted(times)[2] * 1000:.1f}" for mode, times in timings.items()))
+    finally:
+        other.close()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -256,7 +257,10 @@ class TransformersEngine:
         with _torch_threads(self.threads):
             loaded: dict[str, torch.Tensor] = {}
             for file in files:
-                tensors = load_file(file, device="cpu")
+                try:
+                    tensors = load_file(file, device="cpu")
+                except (SafetensorError, OSError) as e:
+                    raise ValueError(f"{file}: not a readable safetensors file ({e}); old weights kept") from e
                 duplicated = sorted(set(tensors) & set(loaded))
                 if duplicated:
                     raise ValueError(f"{model_dir}: tensors {duplicated} appear in more than one safetensors file")

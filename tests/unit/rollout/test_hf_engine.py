@@ -223,6 +223,10 @@ def test_load_weights_rejects_bad_tensors_and_keeps_old_weights(
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         engine.load_weights(model_dirs["seed0"].parent)
 
+    with pytest.raises(ValueError, match=r"truncated/model\.safetensors: not a readable safetensors file"):
+        engine.load_weights(model_dirs["truncated"])
+    assert engine.generate(MIXED_PROMPTS, greedy) == before
+
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
