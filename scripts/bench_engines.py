@@ -13,6 +13,14 @@
 3. The bare engine again, on the weights the peer ended with (training changes completion
    lengths, and tokens/s with them); the peer is compared with the mean of the two bare runs.
 
+The bare engine runs twice each time (--bare-beside both, the default): with the other core
+idle, and beside a stand-in for the learner (GRPO steps of the same shape on the same model, and
+each step's weights serialised and hashed, in a loop on the learner's core). In the swarm run the
+learner trains on that core all through the window, and the two cores share the cache and memory
+of one VM: a training neighbour alone costs the bare engine ~5-10 % here. The peer is held to
+the bare engine beside the learner, like against like; the ratio to the idle-neighbour runs is
+printed too.
+
 Fairness on a small machine: the measured engine runs alone on one core, the same core in both
 parts, with one thread (OMP_NUM_THREADS=1); the learner, the bootstrap node and the bench itself
 are pinned to the other. --layout says where the rest of the rollout peer runs: `engine-core`
@@ -102,6 +110,60 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
     return {"engine": engine.name, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
             "tokens_per_rollout": tokens / max(rollouts, 1),
             "batches": calls, "seconds": seconds, "build_s": build_s, "steal_s": stolen}
+
+
+def learner_load(model_dir: Path, args: argparse.Namespace) -> None:
+    """Runs in its own process until killed: the swarm learner's work on its core, without a swarm.
+
+    GRPO steps on groups of the swarm run's shape (2 leases of prompts per step, the group size,
+    completions of ~14 tokens, two versions old as the swarm's are), each step's weights
+    serialised and hashed as a published version's are. Prints "ready" after the first step."""
+    import hashlib
+    import random
+
+    from echo2swarm.config.rl import TrainConfig
+    from echo2swarm.learner.buffer import Group
+    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.tasks.registry import get_task
+
+    config = TrainConfig(task="arith", prompts_per_step=2 * args.prompts, group_size=args.group_size,
+                         max_new_tokens=args.max_new_tokens, threads=1, device=args.device)
+    trainer = GRPOTrainer(model_dir, config)
+    task, rng = get_task("arith", seed=0), random.Random(0)
+    step, parent = 2, os.getppid()
+    while os.getppid() == parent:  # the bench kills it; should the bench die first, it stops too
+        groups = [
+            Group(prompt_id=str(i), version=step - 2, prompt_ids=trainer.encode_prompt(task.prompt(i).text),
+                  completions=[[rng.randrange(3, trainer.vocab_size) for _ in range(14)] for _ in range(args.group_size)],
+                  behaviour_logprobs=[[-2.0] * 14 for _ in range(args.group_size)],
+                  rewards=[float(rng.random() < 0.5) for _ in range(args.group_size)],
+                  finish_reasons=["length"] * args.group_size)
+            for i in range(step * config.prompts_per_step, (step + 1) * config.prompts_per_step)
+        ]
+        trainer.step(groups, current_version=step)
+        hashlib.sha256(trainer.weights_bytes()).digest()
+        if step == 2:
+            print("ready", flush=True)
+        step += 1
+
+
+@contextmanager
+def beside_learner(cpus: set[int] | None, model_dir: Path, args: argparse.Namespace) -> Iterator[None]:
+    """The body runs while `learner_load` keeps `cpus` busy (None: nothing runs beside it)."""
+    if cpus is None:
+        yield
+        return
+    command = [sys.executable, __file__, "--learner-load", "--model", str(model_dir), *args.passthrough]
+    with pinned(cpus):
+        load = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    try:
+        if load.stdout is None or load.stdout.readline().strip() != "ready":  # blocks until its first step
+            raise RuntimeError("the learner stand-in did not start")
+        yield
+    finally:
+        load.kill()
+        load.wait()
 
 
 def steal_s(cores: set[int] | None) -> float:
@@ -298,7 +360,11 @@ def main() -> None:
                         "sharing that core")
     parser.add_argument("--rounds", type=int, default=1, help="bare / swarm / bare sequences per engine; the ratio "
                         "is reported per round and averaged (one round moves by ~5-10 %% on a shared VM)")
+    parser.add_argument("--bare-beside", choices=("both", "learner", "idle"), default="both",
+                        help="what runs on the other core during the bare engine's runs: a learner stand-in (the "
+                        "peer is compared with these runs), nothing, or both in turn (default)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
+    parser.add_argument("--learner-load", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.passthrough = [f"--seconds={args.seconds}", f"--prompts={args.prompts}", f"--group-size={args.group_size}",
@@ -306,6 +372,9 @@ def main() -> None:
                         f"--kv-cache-gib={args.kv_cache_gib}", f"--device={args.device}"]
     if args.bare:
         print(json.dumps(bare(args.bare, args.model, args)))
+        return
+    if args.learner_load:
+        learner_load(args.model, args)
         return
 
     from safetensors.torch import load_file
@@ -321,20 +390,36 @@ def main() -> None:
         model_dir = write_tiny_model(Path(tmp) / "model", seed=0, hidden_size=args.hidden_size,
                                      num_layers=args.layers)
         params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
+        engine_core, learner_core = (split[1], split[0]) if split else (None, None)
+        besides = {"both": ["idle", "learner"], "learner": ["learner"], "idle": ["idle"]}[args.bare_beside]
+        if learner_core is None:
+            besides = ["idle"]
+
+        def bare_runs(kind: str, model: Path, order: list[str]) -> dict[str, dict[str, Any]]:
+            runs = {}
+            for beside in order:
+                with beside_learner(learner_core if beside == "learner" else None, model_dir, args):
+                    runs[beside] = run_bare(kind, model, args, engine_core)
+            return runs
+
         for round_ in range(args.rounds):
             for kind in engines:
                 # Bare before and after the swarm run, on the same core: a shared VM's speed drifts by
-                # 10-20% between minutes, so the swarm run is compared with the mean of the two.
-                before = run_bare(kind, model_dir, args, split[1] if split else None)
+                # 10-20% between minutes, so the swarm run is compared with the mean of the two. The
+                # runs beside the learner stand-in are the ones next to the swarm run in time.
+                before = bare_runs(kind, model_dir, besides)
                 swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}-{round_}", args, split, args.layout)
-                after = run_bare(kind, swarm["trained_model"], args, split[1] if split else None)
+                after = bare_runs(kind, swarm["trained_model"], besides[::-1])
                 shutil.rmtree(Path(tmp) / f"swarm-{kind}-{round_}", ignore_errors=True)
-                mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
-                results[kind].append({"bare": {**before, "tokens_per_s": mean,
-                                               "runs": [before["tokens_per_s"], after["tokens_per_s"]],
-                                               "lengths": [before["tokens_per_rollout"], after["tokens_per_rollout"]],
-                                               "steals": [before["steal_s"], after["steal_s"]]},
-                                      "swarm": swarm})
+                bares = {}
+                for beside in besides:
+                    b, a = before[beside], after[beside]
+                    bares[beside] = {**b, "tokens_per_s": (b["tokens_per_s"] + a["tokens_per_s"]) / 2,
+                                     "runs": [b["tokens_per_s"], a["tokens_per_s"]],
+                                     "lengths": [b["tokens_per_rollout"], a["tokens_per_rollout"]],
+                                     "steals": [b["steal_s"], a["steal_s"]]}
+                results[kind].append({"bare": bares[besides[-1]], "bare_idle": bares.get("idle"),
+                                      "beside": besides[-1], "swarm": swarm})
 
     where = f"each engine alone on core {split[1]}" if split else "unpinned"
     print(f"\nrollout engines on a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
@@ -353,8 +438,15 @@ def main() -> None:
     for kind in engines:
         busy = [r["swarm"]["busy_tokens_per_s"] / r["bare"]["tokens_per_s"] for r in results[kind]]
         share = [computing_share(r["swarm"]) for r in results[kind]]
-        print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s, by round: "
+        beside = "the learner stand-in" if results[kind][0]["beside"] == "learner" else "an idle core"
+        print(f"{kind}: rollout peer through the swarm / bare engine beside {beside}, busy tokens/s, by round: "
               f"{', '.join(f'{b:.2f}' for b in busy)}; mean {sum(busy) / len(busy):.2f} (target >= 0.95)")
+        if results[kind][0]["beside"] == "learner" and results[kind][0]["bare_idle"]:
+            idle = [r["swarm"]["busy_tokens_per_s"] / r["bare_idle"]["tokens_per_s"] for r in results[kind]]
+            neighbour = [r["bare"]["tokens_per_s"] / r["bare_idle"]["tokens_per_s"] for r in results[kind]]
+            print(f"{kind}: the same against the bare engine beside an idle core: "
+                  f"{', '.join(f'{b:.2f}' for b in idle)}; mean {sum(idle) / len(idle):.2f} (bare beside the "
+                  f"learner stand-in / beside an idle core: {', '.join(f'{b:.2f}' for b in neighbour)})")
         if all(x is not None for x in share):
             print(f"{kind}: share of the busy window the engine spent generating, by round: "
                   f"{', '.join(f'{100 * x:.1f} %' for x in share)} (the rest: weight loads, round trips not hidden)")
@@ -374,15 +466,23 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
           f"{'refit ms':>10}{'tokens/rollout':>16}")
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
-        label = "bare engine (mean of {:.0f}, {:.0f})".format(*b["runs"])
-        lengths = "{:.1f}, {:.1f}".format(*b["lengths"])
-        print(f"{kind:<14}{label:<34}{b['tokens_per_s']:>10.0f}{b['tokens_per_s']:>15.0f}{'':>28}{lengths:>16}")
+        rows = [("idle", results[kind]["bare_idle"])] if results[kind]["beside"] == "learner" else []
+        for index, (beside, bare_) in enumerate([*rows, (results[kind]["beside"], b)]):
+            if bare_ is None:
+                continue
+            label = ("bare, {}: {:.0f}, {:.0f}".format("beside learner" if beside == "learner" else "core 0 idle",
+                                                        *bare_["runs"]))
+            lengths = "{:.1f}, {:.1f}".format(*bare_["lengths"])
+            name = kind if index == 0 else ""
+            print(f"{name:<14}{label:<34}{bare_['tokens_per_s']:>10.0f}{bare_['tokens_per_s']:>15.0f}{'':>28}"
+                  f"{lengths:>16}")
         refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
         label = f"rollout peer, swarm ({args.layout})"
         print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}"
               f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}{s['tokens_per_rollout']:>16.1f}")
-    print("(bare engine: before the swarm run on the initial weights, after it on the peer's last version; "
-          "idle s: the learner had no work for the peer, left out of busy tokens/s)")
+    print("(bare: the mean of a run before the swarm run, on the initial weights, and one after it, on the peer's "
+          "last version; beside learner: the learner stand-in busy on the other core; idle s: the learner had no "
+          "work for the peer, left out of busy tokens/s)")
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
         print(f"{kind} peer, seconds of the {s['seconds']:.1f} s window: " + ", ".join(
@@ -407,7 +507,9 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
           "lease's version; lease/submit round trips overlap generation)")
     for kind in engines:
         s, b = results[kind]["swarm"], results[kind]["bare"]["tokens_per_s"]
-        print(f"{kind}: rollout peer through the swarm / bare engine, busy tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
+        beside = "the learner stand-in" if results[kind]["beside"] == "learner" else "an idle core"
+        print(f"{kind}: rollout peer through the swarm / bare engine beside {beside}, busy "
+              f"tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
               f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}; while generating: "
               f"{s['tokens_per_s'] * s['seconds'] / max(s['split']['generate_s'], 1e-9) / b:.2f}")
 

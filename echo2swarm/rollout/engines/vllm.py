@@ -183,13 +183,11 @@ class VLLMEngine:
         if why_not is None:
             self._direct_names = set(self._llm.apply_model(functools.partial(_direct_refit, path=str(self.model_dir)))[0])
         self.refit_mode = "reload_weights" if self._direct_names is None else "direct"
-        if direct_refit and why_not is not None:
-            logger.info("vllm engine: refits through reload_weights (%s)", why_not)
         logger.info(
-            "vllm engine: %s on %s (%s, eos ids %s, max_model_len %d, kv cache %s) built in %.1f s",
+            "vllm engine: %s on %s (%s, eos ids %s, max_model_len %d, kv cache %s, refits %s) built in %.1f s",
             self.model_dir, current_platform.device_type, self._llm.llm_engine.model_config.dtype, self._eos_ids,
             self._max_model_len, f"{kv_cache_gib} GiB" if kv_cache_gib else f"{gpu_memory_utilization:.0%} of GPU",
-            time.perf_counter() - started,
+            self.refit_mode if why_not is None else f"through reload_weights: {why_not}", time.perf_counter() - started,
         )
 
     # ------------------------------------------------------------------ generation
