@@ -16,10 +16,10 @@
 The bare engine runs twice each time (--bare-beside both, the default): with the other core
 idle, and beside a stand-in for the learner (GRPO steps of the same shape on the same model, and
 each step's weights serialised and hashed, in a loop on the learner's core). In the swarm run the
-learner trains on that core all through the window, and the two cores share the cache and memory
-of one VM: a training neighbour alone costs the bare engine ~5-10 % here. The peer is held to
-the bare engine beside the learner, like against like; the ratio to the idle-neighbour runs is
-printed too.
+learner trains on that core all through the window, and the two cores share the caches and
+memory of one machine, so the peer is held to the bare engine beside the stand-in, like against
+like; the ratio to the idle-core runs is printed too (on the 2-core VM of docs/benchmarks.md the
+two differ by less than the VM's own noise).
 
 Fairness on a small machine: the measured engine runs alone on one core, the same core in both
 parts, with one thread (OMP_NUM_THREADS=1); the learner, the bootstrap node and the bench itself
