@@ -47,6 +47,8 @@ def test_demo_learns_with_vllm_peers(tmp_path: Path) -> None:
         # one of the 200: a peer whose loads would take over worker.max_refit_share of its time
         # skips versions while the staleness window allows.
         assert log.count("vllm engine: ") == 1, log[-2000:]
-        refits = [float(s) for s in re.findall(r"reloaded \d+ tensors from \S+ in place in ([\d.]+) s", log)]
+        found = re.findall(r"reloaded \d+ tensors from \S+ in place \((\w+)\) in ([\d.]+) s", log)
+        assert {mode for mode, _ in found} == {"direct"}, found[:3]  # a CPU and an unquantized model
+        refits = [float(seconds) for _, seconds in found]
         assert len(refits) >= 40, len(refits)
         print(f"{peer}: {len(refits)} in-place refits, median {sorted(refits)[len(refits) // 2] * 1000:.0f} ms")
