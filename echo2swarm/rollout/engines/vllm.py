@@ -6,7 +6,7 @@
         ─► Completion(token ids exactly as generated, behaviour logprobs, finish reason)
 
     new version on disk ─► check its tensor names/shapes/dtypes against the first version
-        ─► in the worker (weights cross as a *path*, never as pickled tensors), one of:
+        ─► in vLLM's worker (vllm_worker.py; weights cross as a *path*, never as pickled tensors):
            direct (CPU, unquantized): read every tensor, then `model.load_weights` into the
                checkpoint-layout weights kept beside the packed ones, and repack each GEMM
            reload_weights (anything else): vLLM's layerwise reload, which rebuilds every layer
@@ -14,7 +14,7 @@
 
 On the CPU backend vLLM repacks each linear layer's weight into a oneDNN layout at load and
 frees the original, so `model.load_weights` has nothing to load into; `reload_weights` rebuilds
-every layer around the load and costs ~20 ms per version even for a 0.3M-parameter model, most of
+every layer around the load and costs 20-30 ms per version even for a 0.3M-parameter model, most of
 it bookkeeping. The direct refit keeps the checkpoint-layout weights (restored once from vLLM's own
 record of them), so a refit is the model's own weight loaders plus one repack per GEMM: about
 half the time, for the memory of a second copy of the linear weights. Either way: no engine
@@ -25,7 +25,8 @@ T)`` — which equals the contract exactly when nothing truncates the distributi
 them *after* top-p masking, so ``top_p < 1`` is refused rather than reported with a different
 meaning. For greedy requests vLLM skips temperature, so they are taken at T = 1, as specified.
 
-``import vllm`` happens only here, and only when an engine is built (see ``import_vllm``).
+``import vllm`` happens only here and in vllm_worker.py, and only once an engine is built (see
+``import_vllm``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from echo2swarm.rollout.engines import vllm_worker as in_worker
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
 from echo2swarm.runtime.logging import get_logger
 
@@ -177,11 +179,11 @@ class VLLMEngine:
         started = time.perf_counter()
         self._llm: Any = vllm.LLM(model=str(self.model_dir), **options)
         self._max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
-        self._tied = self._llm.apply_model(_tied_output_heads)[0]
+        self._tied = self._llm.apply_model(in_worker.tied_output_heads)[0]
         self._direct_names: set[str] | None = None  # what a direct refit must load; None: reload_weights
-        why_not = self._llm.apply_model(_keep_checkpoint_weights)[0] if direct_refit else "turned off"
+        why_not = self._llm.apply_model(in_worker.keep_checkpoint_weights)[0] if direct_refit else "turned off"
         if why_not is None:
-            self._direct_names = set(self._llm.apply_model(functools.partial(_direct_refit, path=str(self.model_dir)))[0])
+            self._direct_names = self._refit_directly(self.model_dir)
         self.refit_mode = "reload_weights" if self._direct_names is None else "direct"
         logger.info(
             "vllm engine: %s on %s (%s, eos ids %s, max_model_len %d, kv cache %s, refits %s) built in %.1f s",
@@ -270,7 +272,7 @@ class VLLMEngine:
         if problems:
             raise ValueError(f"{model_dir}: weights do not fit the loaded model ({'; '.join(problems)}); old weights kept")
         if self._direct_names is not None:
-            loaded = set(llm.apply_model(functools.partial(_direct_refit, path=str(model_dir)))[0])
+            loaded = self._refit_directly(model_dir)
             if loaded != self._direct_names:
                 raise RuntimeError(f"{model_dir}: the direct refit loaded {len(loaded)} parameters, expected "
                                    f"{len(self._direct_names)}")
@@ -283,13 +285,17 @@ class VLLMEngine:
                     seconds)
         return seconds
 
+    def _refit_directly(self, model_dir: Path) -> set[str]:
+        """Load a version into the kept weights, in vLLM's worker; the names of the parameters loaded."""
+        return set(self._llm.apply_model(functools.partial(in_worker.direct_refit, path=str(model_dir)))[0])
+
     def _reload(self, llm: Any, model_dir: Path) -> None:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
         if self._tied:
             # vLLM 0.32's layerwise reload puts the output head's *old* tensor (and, on CPUs, its
             # old packed GEMM weight) back when the checkpoint has no lm_head, i.e. with tied
             # embeddings as in Qwen3 <= 4B: tie it again and repack.
-            llm.apply_model(functools.partial(_retie_output_heads, pairs=self._tied))
+            llm.apply_model(functools.partial(in_worker.retie_output_heads, pairs=self._tied))
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)
@@ -306,101 +312,6 @@ class VLLMEngine:
         if self._llm is None:
             raise RuntimeError("VLLMEngine is closed")
         return self._llm
-
-
-def _tied_output_heads(model: Any) -> list[tuple[str, str]]:
-    """(output head, input embedding) module names that share one weight tensor (runs in the worker)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-    modules = dict(model.named_modules())
-    heads = {name: m for name, m in modules.items() if isinstance(m, ParallelLMHead)}
-    embeddings = {
-        name: m for name, m in modules.items()
-        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
-    }
-    return [
-        (head_name, embed_name)
-        for head_name, head in heads.items()
-        for embed_name, embed in embeddings.items()
-        if getattr(head, "weight", None) is not None and head.weight is getattr(embed, "weight", None)
-    ]
-
-
-def _retie_output_heads(model: Any, pairs: list[tuple[str, str]]) -> None:
-    modules = dict(model.named_modules())
-    for head_name, embed_name in pairs:
-        head = modules[head_name]
-        head.tie_weights(modules[embed_name])
-        # On CPUs the head multiplies with a packed copy of its weight made at load time: repack
-        # it from the (new) shared tensor. A no-op for unquantized heads on GPUs.
-        head.quant_method.process_weights_after_loading(head)
-
-
-def _keep_checkpoint_weights(model: Any) -> str | None:
-    """Give every repacked CPU GEMM its checkpoint-layout weight back (runs in the worker).
-
-    Returns None when the model can be refitted directly, else why not (nothing is changed then).
-    The weights are rebuilt from the record vLLM keeps for its own reloads (shape, dtype and
-    weight loader of each parameter as created); their values come with the first direct refit.
-    """
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return f"no direct refit on {current_platform.device_type}"
-    restored: dict[str, Any] = {}
-    for name, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        if method is not None and type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
-            return f"{name} is processed by {type(method).__name__}"
-        if not hasattr(layer, "cpu_linear") or getattr(layer, "_cpu_skip_gemm_dispatch", False):
-            continue
-        if layer.weight.numel() == 0:  # freed after packing: restore the parameter as created
-            record = get_layerwise_info(layer).restore_metadata[0].get("weight")
-            if record is None or record.dim() != 2:
-                return f"{name} has no record of its weight"
-            weight = materialize_meta_tensor(restore_layer_refs(record, layer))
-            loader = getattr(weight, "weight_loader", None)
-            while getattr(loader, "__name__", "") == "online_process_loader":  # a past reload's wrapper
-                loader = loader.__wrapped__  # type: ignore[union-attr]
-            if loader is None:
-                return f"{name} has no weight loader"
-            weight.weight_loader = loader
-            restored[name] = weight
-    modules = dict(model.named_modules())
-    for name, weight in restored.items():
-        modules[name].weight = weight
-    model._echo2swarm_repack = [
-        name for name, layer in modules.items()
-        if hasattr(layer, "cpu_linear") and not getattr(layer, "_cpu_skip_gemm_dispatch", False)
-    ]
-    return None
-
-
-def _direct_refit(model: Any, path: str) -> list[str]:
-    """Load a checkpoint directory into the kept weights and repack every GEMM (runs in the worker).
-
-    Every tensor is read before the first parameter changes: a file that cannot be read leaves the
-    old weights whole. Returns the names of the parameters loaded.
-    """
-    from safetensors.torch import load_file
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    import torch
-
-    tensors: dict[str, Any] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        tensors.update(load_file(file))
-    with torch.no_grad():
-        loaded = model.load_weights(iter(tensors.items()))
-        modules = dict(model.named_modules())
-        for name in model._echo2swarm_repack:
-            dispatch_cpu_unquantized_gemm(modules[name], remove_weight=False)
-    return sorted(loaded or ())
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:
