@@ -78,7 +78,7 @@ class FollowerService:
     def _worker_fields(self) -> dict[str, Any]:
         if self.worker is None:
             return {}
-        mu = self.worker.rollouts_per_s
+        mu = self.worker.throughput.rollouts_per_s
         return {"rollouts_per_s": None if mu is None else round(mu, 3), "active": self.worker.active}
 
     def card_fields(self) -> dict[str, Any]:
@@ -88,12 +88,13 @@ class FollowerService:
     def stats(self) -> dict[str, Any]:
         worker = {}
         if self.worker is not None:
-            worker = {"worker": self.worker.snapshot(), "rollouts_per_s": self.worker.rollouts_per_s,
-                      "engine_version": self.worker.engine_version, "swap_s": self.worker.swap_s,
-                      "engine": getattr(self.worker.engine, "name", None), "refit_s": self.worker.refit_s,
-                      "engine_pid": getattr(self.worker.engine, "pid", None),
-                      "engine_restarts": getattr(self.worker.engine, "restarts", 0),
-                      "engine_busy_s": getattr(self.worker.engine, "busy_s", None)}
+            weights, engine = self.worker.weights, self.worker.weights.engine
+            worker = {"worker": self.worker.snapshot(), "rollouts_per_s": self.worker.throughput.rollouts_per_s,
+                      "engine_version": weights.version, "swap_s": weights.swap_s,
+                      "engine": getattr(engine, "name", None), "refit_s": weights.refit_s,
+                      "engine_pid": getattr(engine, "pid", None),
+                      "engine_restarts": getattr(engine, "restarts", 0),
+                      "engine_busy_s": getattr(engine, "busy_s", None)}
         return {
             **worker,
             "refused_heads": dict(self.follower.refused),

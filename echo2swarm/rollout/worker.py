@@ -65,27 +65,6 @@ class RolloutWorker:
         self._in_engine = 0  # batches handed to the engine and not collected yet
         self._backoff_until = 0.0  # monotonic time before which no lease is dispatched
 
-    # What the daemon's card and /v1/info show.
-    @property
-    def engine(self) -> Any:
-        return self.weights.engine
-
-    @property
-    def engine_version(self) -> int | None:
-        return self.weights.version
-
-    @property
-    def swap_s(self) -> float | None:
-        return self.weights.swap_s
-
-    @property
-    def refit_s(self) -> float | None:
-        return self.weights.refit_s
-
-    @property
-    def rollouts_per_s(self) -> float | None:
-        return self.throughput.rollouts_per_s
-
     async def on_version(self, version: int, path: Path) -> None:
         """A newly installed version (the follower's callback): see `EngineWeights.on_version`."""
         await self.weights.on_version(version, path)
