@@ -32,8 +32,12 @@ core too; `in-thread` runs the engine in a thread of the daemon (`engine.isolate
 A learner on one core can train slower than a fast engine generates; the peer is then told to
 wait for work. Those seconds are the learner's limit, not the peer's overhead, so the table shows
 them (idle s) and the peer's rate over the rest of the window (busy tokens/s) next to its rate
-over the whole window. A shared VM loses seconds to its neighbours: the hypervisor's "steal" on
-the engine's core is printed for every window; a window with much of it measured the host.
+over the whole window. An engine that computes in bursts is slower per second of computing
+than one fed back to back (a tiny model's weights leave the core's caches while it idles), so
+after the swarm run the bare engine runs once more paced like the peer: idle after each batch for
+the share of the window the peer was told to wait (--no-paced skips it). A shared VM loses
+seconds to its neighbours: the hypervisor's "steal" on the engine's core is printed for every
+window; a window with much of it measured the host.
 
 Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95), where the peer's seconds
 went (generating, starved for a lease, waiting for a version, round trips that overlapped), the
@@ -99,15 +103,24 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
     for seed in range(args.warmup_batches):
         batch(seed)
     tokens = rollouts = calls = 0
+    computed = 0.0
+    # --idle-share: after each batch, sit idle so that the engine idles that share of the window,
+    # as a peer does whose learner cannot keep it busy.
+    gap = args.idle_share / (1.0 - args.idle_share)
     stolen = steal_s(os.sched_getaffinity(0))
     started = time.perf_counter()
     while time.perf_counter() - started < args.seconds:
+        took = time.perf_counter()
         t, r = batch(1000 + calls)
-        tokens, rollouts, calls = tokens + t, rollouts + r, calls + 1
+        took = time.perf_counter() - took
+        tokens, rollouts, calls, computed = tokens + t, rollouts + r, calls + 1, computed + took
+        if gap:
+            time.sleep(took * gap)
     seconds = time.perf_counter() - started
     stolen = steal_s(os.sched_getaffinity(0)) - stolen
     engine.close()
     return {"engine": engine.name, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
+            "computing_tokens_per_s": tokens / max(computed, 1e-9), "idle_s": seconds - computed,
             "tokens_per_rollout": tokens / max(rollouts, 1),
             "batches": calls, "seconds": seconds, "build_s": build_s, "steal_s": stolen}
 
@@ -166,6 +179,19 @@ def beside_learner(cpus: set[int] | None, model_dir: Path, args: argparse.Namesp
         load.wait()
 
 
+def cpu_model() -> str:
+    """The CPU's model name and widest vector unit (Linux /proc/cpuinfo): engines' speed depends on both."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    vector = next((f for f in ("avx512f", "avx2", "avx") if f in flags), "no AVX")
+    return f"{fields.get('model name', 'unknown CPU')} ({vector.replace('avx512f', 'avx512')})"
+
+
 def steal_s(cores: set[int] | None) -> float:
     """Seconds the hypervisor ran something else while these cores (all, if None) had work: /proc/stat "steal".
     A VM's neighbours take them; a window with much steal measured the host, not our code."""
@@ -180,8 +206,10 @@ def steal_s(cores: set[int] | None) -> float:
     return total / tick
 
 
-def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int] | None) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--bare", kind, "--model", str(model_dir), *args.passthrough]
+def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int] | None,
+             idle_share: float = 0.0) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--bare", kind, "--model", str(model_dir), *args.passthrough,
+               f"--idle-share={idle_share}"]
     with pinned(cpus):
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                                 env={**os.environ, **ENGINE_ENV}, stdin=subprocess.DEVNULL)
@@ -363,10 +391,15 @@ def main() -> None:
     parser.add_argument("--bare-beside", choices=("both", "learner", "idle"), default="both",
                         help="what runs on the other core during the bare engine's runs: a learner stand-in (the "
                         "peer is compared with these runs), nothing, or both in turn (default)")
+    parser.add_argument("--no-paced", action="store_true", help="skip the bare run paced like the peer (idle the "
+                        "share of the window the learner left the peer idle)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
+    parser.add_argument("--idle-share", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--learner-load", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 0.0 <= args.idle_share < 1.0:
+        parser.error(f"--idle-share must be in [0, 1), got {args.idle_share}")
     args.passthrough = [f"--seconds={args.seconds}", f"--prompts={args.prompts}", f"--group-size={args.group_size}",
                         f"--max-new-tokens={args.max_new_tokens}", f"--warmup-batches={args.warmup_batches}",
                         f"--kv-cache-gib={args.kv_cache_gib}", f"--device={args.device}"]
@@ -410,6 +443,14 @@ def main() -> None:
                 before = bare_runs(kind, model_dir, besides)
                 swarm = run_swarm(kind, model_dir, Path(tmp) / f"swarm-{kind}-{round_}", args, split, args.layout)
                 after = bare_runs(kind, swarm["trained_model"], besides[::-1])
+                paced = None
+                idle_share = swarm["wait_s"] / swarm["seconds"]
+                if not args.no_paced and idle_share >= 0.05:
+                    # The peer computed in bursts between the learner's steps; a tiny model's speed
+                    # depends on its weights staying in the core's caches, which idling loses.
+                    with beside_learner(learner_core if besides[-1] == "learner" else None, model_dir, args):
+                        paced = run_bare(kind, swarm["trained_model"], args, engine_core, min(idle_share, 0.9))
+                    paced["idle_share"] = idle_share
                 shutil.rmtree(Path(tmp) / f"swarm-{kind}-{round_}", ignore_errors=True)
                 bares = {}
                 for beside in besides:
@@ -418,14 +459,14 @@ def main() -> None:
                                      "runs": [b["tokens_per_s"], a["tokens_per_s"]],
                                      "lengths": [b["tokens_per_rollout"], a["tokens_per_rollout"]],
                                      "steals": [b["steal_s"], a["steal_s"]]}
-                results[kind].append({"bare": bares[besides[-1]], "bare_idle": bares.get("idle"),
+                results[kind].append({"bare": bares[besides[-1]], "bare_idle": bares.get("idle"), "paced": paced,
                                       "beside": besides[-1], "swarm": swarm})
 
     where = f"each engine alone on core {split[1]}" if split else "unpinned"
     print(f"\nrollout engines on a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
           f"{args.layers} layers, float32): {args.prompts} arith prompts x {args.group_size} samples x "
           f"<= {args.max_new_tokens} new tokens per batch/lease, T=1; {args.seconds:.0f} s windows; "
-          f"{os.cpu_count()} CPU cores, {where}, 1 thread; peer layout {args.layout}; "
+          f"{os.cpu_count()} CPU cores ({cpu_model()}), {where}, 1 thread; peer layout {args.layout}; "
           f"swarm: kappa={args.publish_every}, S={args.staleness}")
     for round_ in range(args.rounds):
         print(f"\n== round {round_ + 1} of {args.rounds}")
@@ -447,6 +488,13 @@ def main() -> None:
             print(f"{kind}: the same against the bare engine beside an idle core: "
                   f"{', '.join(f'{b:.2f}' for b in idle)}; mean {sum(idle) / len(idle):.2f} (bare beside the "
                   f"learner stand-in / beside an idle core: {', '.join(f'{b:.2f}' for b in neighbour)})")
+        paced = [(r["paced"], r["swarm"], r["bare"]) for r in results[kind] if r["paced"] is not None]
+        if paced:
+            slowed = [p_["computing_tokens_per_s"] / b_["tokens_per_s"] for p_, _, b_ in paced]
+            peer = [s_["busy_tokens_per_s"] / p_["computing_tokens_per_s"] for p_, s_, _ in paced]
+            print(f"{kind}: the bare engine paced like the peer / back to back, while computing, by round: "
+                  f"{', '.join(f'{x:.2f}' for x in slowed)}; the peer / the paced bare engine, busy tokens/s: "
+                  f"{', '.join(f'{x:.2f}' for x in peer)}; mean {sum(peer) / len(peer):.2f}")
         if all(x is not None for x in share):
             print(f"{kind}: share of the busy window the engine spent generating, by round: "
                   f"{', '.join(f'{100 * x:.1f} %' for x in share)} (the rest: weight loads, round trips not hidden)")
@@ -467,22 +515,28 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
         rows = [("idle", results[kind]["bare_idle"])] if results[kind]["beside"] == "learner" else []
-        for index, (beside, bare_) in enumerate([*rows, (results[kind]["beside"], b)]):
-            if bare_ is None:
-                continue
+        rows = [(beside, bare_) for beside, bare_ in [*rows, (results[kind]["beside"], b)] if bare_ is not None]
+        for index, (beside, bare_) in enumerate(rows):
             label = ("bare, {}: {:.0f}, {:.0f}".format("beside learner" if beside == "learner" else "core 0 idle",
                                                         *bare_["runs"]))
             lengths = "{:.1f}, {:.1f}".format(*bare_["lengths"])
             name = kind if index == 0 else ""
             print(f"{name:<14}{label:<34}{bare_['tokens_per_s']:>10.0f}{bare_['tokens_per_s']:>15.0f}{'':>28}"
                   f"{lengths:>16}")
+        paced = results[kind].get("paced")
+        if paced is not None:
+            label = f"bare, paced, idle {100 * paced['idle_share']:.0f} %"
+            print(f"{'':<14}{label:<34}{paced['tokens_per_s']:>10.0f}{paced['computing_tokens_per_s']:>15.0f}"
+                  f"{paced['idle_s']:>8.1f}{'':>20}"
+                  f"{paced['tokens_per_rollout']:>16.1f}")
         refit = f"{s['refit_s'] * 1000:.0f}" if s.get("refit_s") is not None else "-"
         label = f"rollout peer, swarm ({args.layout})"
         print(f"{'':<14}{label:<34}{s['tokens_per_s']:>10.0f}{s['busy_tokens_per_s']:>15.0f}"
               f"{s['wait_s']:>8.1f}{s['versions']:>10}{refit:>10}{s['tokens_per_rollout']:>16.1f}")
     print("(bare: the mean of a run before the swarm run, on the initial weights, and one after it, on the peer's "
           "last version; beside learner: the learner stand-in busy on the other core; idle s: the learner had no "
-          "work for the peer, left out of busy tokens/s)")
+          "work for the peer, left out of busy tokens/s; paced: on the peer's last version, idle after each batch "
+          "for the share of the window the peer was, busy tokens/s over its computing seconds)")
     for kind in engines:
         b, s = results[kind]["bare"], results[kind]["swarm"]
         print(f"{kind} peer, seconds of the {s['seconds']:.1f} s window: " + ", ".join(
@@ -512,6 +566,11 @@ def report(results: dict[str, dict[str, dict[str, Any]]], args: argparse.Namespa
               f"tokens/s: {s['busy_tokens_per_s'] / b:.2f} "
               f"(target >= 0.95); over the whole window: {s['tokens_per_s'] / b:.2f}; while generating: "
               f"{s['tokens_per_s'] * s['seconds'] / max(s['split']['generate_s'], 1e-9) / b:.2f}")
+        paced = results[kind].get("paced")
+        if paced is not None:
+            print(f"{kind}: the bare engine paced like the peer / back to back, while computing: "
+                  f"{paced['computing_tokens_per_s'] / b:.2f}; the peer / the paced bare engine, busy tokens/s: "
+                  f"{s['busy_tokens_per_s'] / paced['computing_tokens_per_s']:.2f}")
 
 
 if __name__ == "__main__":
