@@ -17,6 +17,11 @@ Back-pressure comes from the learner: when it has enough work in flight it answe
 and the worker asks again after the delay it names; when its cost-aware plan keeps this peer on
 standby it says so (`LeaseWait.standby`), and the card shows `active: false`. The throughput µ
 the card advertises is kept by throughput.py.
+
+An engine that fails (its process died, or none could be started) costs the lease it held, counted
+as `engine_errors` and `leases_abandoned`; the next lease starts a new engine process. Consecutive
+failures back off exponentially (`engine_backoff_s`), so an engine that dies on every batch (out
+of memory, a broken driver) does not take a lease and restart in a tight loop.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ from echo2swarm.runtime.logging import get_logger
 logger = get_logger(__name__)
 T = TypeVar("T")
 
+ENGINE_BACKOFF_MAX_S = 60.0  # the longest pause after consecutive engine failures
+
+
+def engine_backoff_s(failures: int, base_s: float) -> float:
+    """Seconds to pause before the next lease after `failures` consecutive engine failures (≥ 1):
+    `base_s` after the first, doubling with each one after it, at most ENGINE_BACKOFF_MAX_S."""
+    if failures < 1:
+        raise ValueError(f"failures must be >= 1, got {failures}")
+    return min(ENGINE_BACKOFF_MAX_S, base_s * 2.0 ** min(failures - 1, 32))
+
 
 class RolloutWorker:
     def __init__(self, ctx: DaemonContext, follower: PolicyFollower):
@@ -63,7 +78,8 @@ class RolloutWorker:
         self._idle_from: tuple[float, float] | None = None  # engine idle since, told-to-wait seconds then
         self._generating_from: float | None = None  # since when a batch has been in the engine
         self._in_engine = 0  # batches handed to the engine and not collected yet
-        self._backoff_until = 0.0  # monotonic time before which no lease is dispatched
+        self._backoff_until = 0.0  # monotonic time before which no lease is asked for or dispatched
+        self._engine_failures = 0  # consecutive batches the engine failed; reset by one that succeeds
 
     async def on_version(self, version: int, path: Path) -> None:
         """A newly installed version (the follower's callback): see `EngineWeights.on_version`."""
@@ -134,6 +150,10 @@ class RolloutWorker:
         while not stop.is_set():
             if not self.weights.ready.is_set():  # a lease taken now would expire while the engine starts
                 await wait_any(stop, self.weights.ready, timeout=cfg.idle_retry_s)
+                continue
+            backoff = self._backoff_until - time.monotonic()
+            if backoff > 0:  # the engine or the learner's leases just failed: a lease taken now would too
+                await _sleep(stop, backoff)
                 continue
             await slots.acquire()
             # Only the learner whose signed head we trust gets our work; a card claiming to be a
@@ -268,18 +288,26 @@ class RolloutWorker:
             # is restarted right there (seconds), neither of which may stall the event loop.
             future = await asyncio.to_thread(weights.submit_batch, [p.text for p in lease.prompts], params)
         except EngineProcessError as e:  # no engine process could be started: counted, retried later
-            self.stats["engine_errors"] += 1
             self.stats["leases_abandoned"] += 1
-            self._backoff(f"cannot start the engine: {e}")
+            self._engine_failed(f"cannot start the engine: {e}")
             return None
         self._engine_took()
         return asyncio.wrap_future(future)
 
-    def _backoff(self, message: str) -> None:
-        self._backoff_until = time.monotonic() + self.config.worker.idle_retry_s
+    def _backoff(self, message: str, seconds: float | None = None) -> None:
+        self._backoff_until = time.monotonic() + (seconds if seconds is not None else self.config.worker.idle_retry_s)
         if message != self._last_error:  # once per distinct problem, not per lease
             logger.error("%s", message)
             self._last_error = message
+
+    def _engine_failed(self, message: str) -> None:
+        self.stats["engine_errors"] += 1
+        if time.monotonic() < self._backoff_until:  # another batch lost to the failure that started this pause
+            return
+        self._engine_failures += 1
+        delay = engine_backoff_s(self._engine_failures, self.config.worker.idle_retry_s)
+        self._backoff(f"{message}; {self._engine_failures} engine failure(s) in a row, next lease in {delay:.1f} s",
+                      delay)
 
     async def _collect(self, inflight: asyncio.Queue[tuple[str, Lease, asyncio.Future[Any]] | None],
                        slots: asyncio.Semaphore, pending: set[asyncio.Task[None]]) -> None:
@@ -296,9 +324,8 @@ class RolloutWorker:
                 logger.warning("lease %s dropped: %s", lease.lease_id, e)
                 continue
             except EngineProcessError as e:  # counted; the next lease starts a new engine process
-                self.stats["engine_errors"] += 1
                 self.stats["leases_abandoned"] += 1
-                logger.error("generation failed: %s", e)
+                self._engine_failed(f"generation failed: {e}")
                 continue
             except ValueError as e:  # a lease this engine cannot serve (e.g. vLLM and top_p < 1)
                 self.stats["leases_abandoned"] += 1
@@ -307,6 +334,7 @@ class RolloutWorker:
             finally:
                 self._engine_gave()
                 slots.release()
+            self._engine_failures = 0
             groups = self._groups(lease, batch)
             await submits.acquire()  # back-pressure: at most max_pending_submits batches unsent
             task = asyncio.create_task(self._submit(learner, groups))
