@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
+from echo2swarm.models.kv_cache import kv_cache
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.base import SupervisedTask, Task
 
@@ -187,6 +189,7 @@ def greedy_complete(
     model.eval()
     generated: list[list[int]] = [[] for _ in prompts]
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    cache = DynamicCache(config=model.config)
     try:
         with torch.inference_mode():
             out = model(
@@ -195,6 +198,7 @@ def greedy_complete(
                 position_ids=_positions(attention_mask),
                 use_cache=True,
                 logits_to_keep=1,
+                **kv_cache(model, cache),
             )
             for step in range(max_new_tokens):
                 next_ids = out.logits[:, -1].argmax(-1)
@@ -211,8 +215,8 @@ def greedy_complete(
                     input_ids=next_ids[:, None],
                     attention_mask=attention_mask,
                     position_ids=attention_mask.sum(-1, keepdim=True) - 1,
-                    past_key_values=out.past_key_values,
                     use_cache=True,
+                    **kv_cache(model, cache),
                 )
     finally:
         model.train(was_training)

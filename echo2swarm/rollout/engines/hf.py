@@ -25,6 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from echo2swarm.models.kv_cache import kv_cache
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
@@ -192,7 +193,7 @@ class TransformersEngine:
         cache = DynamicCache(config=model.config)
         logits = model(
             input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=1, **kv_cache(model, cache),
         ).logits[:, -1, :]
         if expand != list(range(len(prompts))):
             rows = torch.tensor(expand, dtype=torch.long, device=device)
@@ -235,7 +236,7 @@ class TransformersEngine:
                 mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
             logits = model(
                 input_ids=token[:, None], attention_mask=mask,
-                position_ids=next_position[:, None], past_key_values=cache, use_cache=True,
+                position_ids=next_position[:, None], use_cache=True, **kv_cache(model, cache),
             ).logits[:, -1, :]
             next_position = next_position + 1
 
