@@ -23,7 +23,8 @@ def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model after a short supervised warm-up on arith: RL has something to improve."""
     from echo2swarm.models.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith", warmup_steps=700)
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith",
+                            warmup_steps=3000, warmup_accuracy=0.3)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from echo2swarm.cli._common import warmup_options
 from echo2swarm.rollout.engines.base import ENGINE_KINDS
 
 
@@ -19,13 +20,17 @@ from echo2swarm.rollout.engines.base import ENGINE_KINDS
               help="S: rollouts of version x may train step t only if t - x <= S (0 = on-policy).")
 @click.option("--engine", type=click.Choice(ENGINE_KINDS), default="auto", show_default=True,
               help="Rollout peers' engine; auto picks vllm when it imports, else transformers.")
-@click.option("--warmup-steps", type=click.IntRange(0), default=600, show_default=True,
-              help="Supervised warm-up steps before RL (RL post-training starts from a supervised model).")
+@warmup_options
 @click.option("--reward-target", type=float, default=None, help="Stop once the 10-step mean reward reaches this.")
 @click.option("--swarm", default="demo", show_default=True)
 @click.option("--timeout", type=float, default=900.0, show_default=True, help="Seconds allowed for training.")
-def demo(run_dir, rollout_peers, steps, staleness, engine, warmup_steps, reward_target, swarm, timeout) -> None:
-    """Watch a swarm post-train a tiny model with GRPO: bootstrap + learner + rollout peers on this machine."""
+def demo(run_dir, rollout_peers, steps, staleness, engine, warmup_steps, warmup_accuracy, reward_target, swarm,
+         timeout) -> None:
+    """Watch a swarm post-train a tiny model with GRPO: bootstrap + learner + rollout peers on this machine.
+
+    RL post-training starts from a supervised model, so the tiny model first gets a supervised
+    warm-up on arith until it answers some prompts right (--warmup-accuracy).
+    """
     from echo2swarm.cli._common import fail
     from echo2swarm.rollout.engines import check_engine_installed
 
@@ -38,6 +43,6 @@ def demo(run_dir, rollout_peers, steps, staleness, engine, warmup_steps, reward_
     options = DemoOptions(
         run_dir=run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S"), rollout_peers=rollout_peers,
         swarm=swarm, steps=steps, staleness=staleness, engine=engine, warmup_steps=warmup_steps,
-        reward_target=reward_target, timeout=timeout,
+        warmup_accuracy=warmup_accuracy, reward_target=reward_target, timeout=timeout,
     )
     raise SystemExit(run_demo(options))

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from echo2swarm.cli._common import WARMUP_ACCURACY, WARMUP_STEPS
 from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
@@ -28,7 +29,8 @@ class DemoOptions:
     steps: int = 700
     staleness: int = 1
     engine: str = "auto"
-    warmup_steps: int = 600
+    warmup_steps: int = WARMUP_STEPS
+    warmup_accuracy: float | None = WARMUP_ACCURACY
     prompts_per_step: int = 16
     group_size: int = 8
     reward_target: float | None = None
@@ -105,8 +107,10 @@ def run_demo(opts: DemoOptions) -> int:
     console.print(f"[bold]echo2swarm demo[/bold] in {run_dir} (logs: {run_dir}/*/daemon.log)")
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
-        with console.status(f"tiny Qwen3-style model: supervised warm-up on arith ({opts.warmup_steps} steps)"):
-            write_tiny_model(model_dir, seed=0, task="arith", warmup_steps=opts.warmup_steps)
+        goal = "" if opts.warmup_accuracy is None else f" or greedy accuracy {opts.warmup_accuracy:g} on train prompts"
+        with console.status(f"tiny Qwen3-style model: supervised warm-up on arith (up to {opts.warmup_steps} steps{goal})"):
+            write_tiny_model(model_dir, seed=0, task="arith", warmup_steps=opts.warmup_steps,
+                             warmup_accuracy=opts.warmup_accuracy)
     before = _accuracy(model_dir)
     console.print(f"  model {model_dir}: greedy accuracy on held-out arith prompts [bold]{before:.3f}[/bold]")
     key_path = run_dir / "learner.key"

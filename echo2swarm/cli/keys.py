@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from echo2swarm.cli._common import fail
+from echo2swarm.cli._common import fail, warmup_options
 
 
 @click.command()
@@ -31,9 +31,8 @@ def keygen(path: Path, force: bool) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True, help="Initialisation seed.")
 @click.option("--task", default=None, help="Give the model a supervised warm-up on this task (e.g. arith).")
-@click.option("--warmup-steps", type=click.IntRange(0), default=700, show_default=True,
-              help="Supervised warm-up steps with --task (~27 s for 700 on 2 cores).")
-def tiny_model(out_dir: Path, seed: int, task: str | None, warmup_steps: int) -> None:
+@warmup_options
+def tiny_model(out_dir: Path, seed: int, task: str | None, warmup_steps: int, warmup_accuracy: float | None) -> None:
     """Write a tiny Qwen3-style model with a character tokenizer to OUT_DIR (a Hugging Face model dir).
 
     With --task arith the model gets a short supervised warm-up first, as RL post-training starts
@@ -42,7 +41,8 @@ def tiny_model(out_dir: Path, seed: int, task: str | None, warmup_steps: int) ->
     from echo2swarm.models.tiny import write_tiny_model
 
     try:
-        path = write_tiny_model(out_dir, seed=seed, task=task, warmup_steps=warmup_steps if task else 0)
+        path = write_tiny_model(out_dir, seed=seed, task=task, warmup_steps=warmup_steps if task else 0,
+                                warmup_accuracy=warmup_accuracy)
     except (FileExistsError, ValueError) as e:
         fail(str(e))
     click.echo(f"wrote tiny model to {path}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from echo2swarm.models.tiny import build_tiny_model
-from echo2swarm.models.warmup import greedy_accuracy, greedy_complete, supervised_warmup
+from echo2swarm.models.warmup import CHECK_PROMPTS, greedy_accuracy, greedy_complete, supervised_warmup
 from echo2swarm.tasks import ArithTask, Prompt
 
 
@@ -15,10 +15,10 @@ def warmed() -> tuple[torch.nn.Module, object, ArithTask, list[float]]:
     model, tokenizer = build_tiny_model(seed=0)
     task = ArithTask(seed=0)
     losses: list[float] = []
-    final = supervised_warmup(
+    result = supervised_warmup(
         model, tokenizer, task, steps=150, batch_size=32, seed=0, progress=lambda step, loss: losses.append(loss)
     )
-    assert final == losses[-1]
+    assert (result.steps, result.loss, result.accuracy) == (150, losses[-1], None)
     return model, tokenizer, task, losses
 
 
@@ -34,7 +34,7 @@ def test_warmup_lowers_the_loss(warmed: tuple) -> None:
 def test_warmup_is_seeded_and_leaves_the_callers_rng_alone() -> None:
     def run(seed: int) -> float:
         model, tokenizer = build_tiny_model(seed=1)
-        return supervised_warmup(model, tokenizer, ArithTask(seed=0), steps=3, batch_size=8, seed=seed)
+        return supervised_warmup(model, tokenizer, ArithTask(seed=0), steps=3, batch_size=8, seed=seed).loss
 
     torch.manual_seed(123)
     expected_draw = torch.rand(1)
@@ -58,6 +58,56 @@ def test_warmup_rejects_tasks_without_answers_and_bad_steps() -> None:
         supervised_warmup(model, tokenizer, NoAnswers(), steps=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         supervised_warmup(model, tokenizer, ArithTask(), steps=0)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="until_accuracy"):
+            supervised_warmup(model, tokenizer, ArithTask(), steps=1, until_accuracy=bad)
+    with pytest.raises(ValueError, match="check_every"):
+        supervised_warmup(model, tokenizer, ArithTask(), steps=1, until_accuracy=0.5, check_every=0)
+
+
+class _Scripted(ArithTask):
+    """Arith whose train-prompt reward follows a script, one score per check (the eval split is never used)."""
+
+    def __init__(self, scores: list[float]):
+        super().__init__(seed=0)
+        self.scores, self.checks, self.scored = scores, 0, 0
+
+    def reward(self, prompt_id: str, completion: str, finished: bool) -> float:
+        assert prompt_id.startswith("train:"), prompt_id
+        score = self.scores[min(self.checks, len(self.scores) - 1)]
+        self.scored += 1
+        if self.scored == CHECK_PROMPTS:
+            self.checks, self.scored = self.checks + 1, 0
+        return score
+
+
+def test_a_target_stops_the_warmup_at_the_first_check_that_reaches_it() -> None:
+    model, tokenizer = build_tiny_model(seed=0)
+    task = _Scripted([0.1, 0.25, 0.5, 0.9])
+    steps: list[int] = []
+    result = supervised_warmup(model, tokenizer, task, steps=100, batch_size=4, until_accuracy=0.5, check_every=5,
+                               progress=lambda step, loss: steps.append(step))
+    assert (result.steps, result.accuracy) == (15, 0.5)  # checks after steps 5, 10, 15
+    assert steps == list(range(1, 16)) and task.checks == 3
+
+
+def test_a_target_never_reached_runs_every_step_checks_the_last_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    model, tokenizer = build_tiny_model(seed=0)
+    task = _Scripted([0.0])
+    result = supervised_warmup(model, tokenizer, task, steps=12, batch_size=4, until_accuracy=0.3, check_every=5)
+    assert (result.steps, result.accuracy) == (12, 0.0)
+    assert task.checks == 3  # after steps 5, 10 and the last one, 12
+    assert "short of the target 0.30" in caplog.text
+
+
+@pytest.mark.timeout(240)
+def test_the_default_target_gives_a_model_that_sometimes_answers_held_out_prompts() -> None:
+    """What the demo relies on, whatever step this CPU's kernels make the tiny model learn to carry at."""
+    model, tokenizer = build_tiny_model(seed=0)
+    task = ArithTask(seed=0)
+    result = supervised_warmup(model, tokenizer, task, steps=3000, until_accuracy=0.3)
+    assert result.accuracy is not None and result.accuracy >= 0.3 and result.steps < 3000
+    assert 0.15 <= greedy_accuracy(model, tokenizer, task, max_new_tokens=4) <= 0.95
 
 
 def _reference_greedy(model: torch.nn.Module, tokenizer, text: str, max_new_tokens: int) -> tuple[str, bool]:
@@ -97,6 +147,9 @@ def test_greedy_accuracy_is_a_fraction_and_independent_of_batch_size(warmed: tup
     assert 0.0 <= big <= 1.0
     assert big == small
     assert 0.0 <= greedy_accuracy(model, tokenizer, task, n=None, max_new_tokens=4) <= 1.0
+    assert 0.0 <= greedy_accuracy(model, tokenizer, task, n=8, split="train") <= 1.0
+    with pytest.raises(ValueError, match="no end"):
+        greedy_accuracy(model, tokenizer, task, split="train")
 
 
 def test_greedy_accuracy_scores_with_the_tasks_reward() -> None:
