@@ -2,9 +2,9 @@
 
 transformers 5.2x renamed `forward(past_key_values=...)` to `forward(cache=...)` (5.24 has it, 5.19
 not). The old name still works there but warns on every call (removal is announced for 5.40), and
-earlier releases (4.51 and up, which pyproject admits) know only the old one. The warning is not only noise: under pytest's
-warning capture each one is recorded, which made a 20 s warm-up take 136 s. Callers build their
-own `DynamicCache`, so outputs are never read back under either name.
+earlier releases (4.51 and up, which pyproject admits) know only the old one. The warning is not
+only noise: under pytest's warning capture each one is recorded, which made a 20 s warm-up take
+136 s. Callers build their own `DynamicCache`, so outputs are never read back under either name.
 
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, use_cache=True, **kv_cache(model, cache))

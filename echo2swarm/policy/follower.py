@@ -40,7 +40,7 @@ from echo2swarm.policy.p2p import P2PSource
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.policy.trust import TrustAnchor
-from echo2swarm.runtime.aio import wait_any
+from echo2swarm.runtime.aio import backoff_s, wait_any
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -144,7 +144,7 @@ class PolicyFollower:
                 logger.exception("policy follower step failed")
             delay = self.fetch_config.head_poll_s
             if failures:
-                delay = max(delay, min(60.0, self.fetch_config.retry_backoff_s * 2 ** (failures - 1)))
+                delay = max(delay, backoff_s(failures, self.fetch_config.retry_backoff_s))
             elif self._offered is not None:
                 continue
             self._wake.clear()

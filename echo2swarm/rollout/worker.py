@@ -20,7 +20,7 @@ the card advertises is kept by throughput.py.
 
 An engine that fails (its process died, or none could be started) costs the lease it held, counted
 as `engine_errors` and `leases_abandoned`; the next lease starts a new engine process. Consecutive
-failures back off exponentially (`engine_backoff_s`), so an engine that dies on every batch (out
+failures back off exponentially (`runtime.aio.backoff_s`), so an engine that dies on every batch (out
 of memory, a broken driver) does not take a lease and restart in a tight loop.
 """
 
@@ -46,21 +46,11 @@ from echo2swarm.policy.follower import PolicyFollower
 from echo2swarm.rollout.refit import EngineWeights
 from echo2swarm.rollout.throughput import Throughput
 from echo2swarm.runtime.daemon import DaemonContext
-from echo2swarm.runtime.aio import wait_any
+from echo2swarm.runtime.aio import backoff_s, wait_any
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 T = TypeVar("T")
-
-ENGINE_BACKOFF_MAX_S = 60.0  # the longest pause after consecutive engine failures
-
-
-def engine_backoff_s(failures: int, base_s: float) -> float:
-    """Seconds to pause before the next lease after `failures` consecutive engine failures (≥ 1):
-    `base_s` after the first, doubling with each one after it, at most ENGINE_BACKOFF_MAX_S."""
-    if failures < 1:
-        raise ValueError(f"failures must be >= 1, got {failures}")
-    return min(ENGINE_BACKOFF_MAX_S, base_s * 2.0 ** min(failures - 1, 32))
 
 
 class RolloutWorker:
@@ -305,7 +295,7 @@ class RolloutWorker:
         if time.monotonic() < self._backoff_until:  # another batch lost to the failure that started this pause
             return
         self._engine_failures += 1
-        delay = engine_backoff_s(self._engine_failures, self.config.worker.idle_retry_s)
+        delay = backoff_s(self._engine_failures, self.config.worker.idle_retry_s)
         self._backoff(f"{message}; {self._engine_failures} engine failure(s) in a row, next lease in {delay:.1f} s",
                       delay)
 
