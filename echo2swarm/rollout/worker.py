@@ -8,7 +8,8 @@ a lease goes into the engine's own queue as soon as it arrives, so the engine st
 batch the moment one finishes, and finished batches are submitted while the next one generates
 (`worker.max_pending_submits`). On a fast engine the round trips to the learner and the daemon's
 own event loop cost no generation time. The engine runs in a process of its own by default
-(`engine.isolate`, engines/host.py), so generation never shares the GIL with the event loop.
+(`engine.isolate`, engines/host.py and host_process.py), so generation never shares the GIL with
+the event loop.
 
 Double-buffering: the follower fetches the next version while the engine keeps generating with
 the one it holds; the swap (refit.py) queues the load behind the batches already in the engine,

@@ -15,7 +15,8 @@ host, so the next batch is there the moment one finishes, however late the daemo
 gets to it. vLLM's engine core runs inside the host (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one
 process, not two.
 
-Weights cross as a *path*, never as tensors: the host reads the verified files itself.
+Weights cross as a *path*, never as tensors: the host reads the verified files itself. What runs
+inside the host process is ``host_process.py``.
 
 Failure: if the host dies (OOM, a crash in a native kernel, a kill), the requests it owed fail
 with :class:`EngineProcessError` and the next request starts a new host on the newest weights
@@ -37,19 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
-from echo2swarm.rollout.engines.runner import (
-    Batch,
-    EngineProcessError,
-    ServedEngine,
-    VersionMismatch,
-    describe,
-    rebuild,
-)
+from echo2swarm.rollout.engines.runner import Batch, EngineProcessError, VersionMismatch, rebuild
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["EngineProcessError", "ProcessEngine", "VersionMismatch", "check_cpus"]
+__all__ = ["EngineProcessError", "ProcessEngine", "VersionMismatch", "check_cpus", "format_cores"]
 
 
 def check_cpus(cpus: list[int] | None) -> set[int] | None:
@@ -65,11 +59,12 @@ def check_cpus(cpus: list[int] | None) -> set[int] | None:
     present = set(range(os.cpu_count() or 1))
     missing = sorted(set(cpus) - present)
     if missing:
-        raise ValueError(f"engine.cpus names cores {missing} this machine does not have; it has {_ranges(present)}")
+        raise ValueError(f"engine.cpus names cores {missing} this machine does not have; it has {format_cores(present)}")
     return set(cpus)
 
 
-def _ranges(cores: set[int]) -> str:
+def format_cores(cores: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``, for messages."""
     out, ordered = [], sorted(cores)
     start = prev = ordered[0]
     for core in ordered[1:] + [None]:  # type: ignore[list-item]
@@ -248,7 +243,7 @@ class ProcessEngine:
                 "pace": self.pace}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "echo2swarm.rollout.engines.host", str(child.fileno()), str(life_read)],
+                [sys.executable, "-m", "echo2swarm.rollout.engines.host_process", str(child.fileno()), str(life_read)],
                 pass_fds=(child.fileno(), life_read), stdin=subprocess.DEVNULL,
             )
         except BaseException:
@@ -283,7 +278,7 @@ class ProcessEngine:
         threading.Thread(target=self._read, args=(host,), name=f"engine-{proc.pid}", daemon=True).start()
         self.last_start_s = time.perf_counter() - started
         logger.info("engine %s in process %d%s, started in %.1f s", self.name, proc.pid,
-                    f" on cores {_ranges(self.cpus)}" if self.cpus else "", self.last_start_s)
+                    f" on cores {format_cores(self.cpus)}" if self.cpus else "", self.last_start_s)
 
     def _stop(self, why: str) -> None:
         host, self._host = self._host, None
@@ -338,76 +333,3 @@ def _root_level() -> str:
     import logging
 
     return logging.getLevelName(logging.getLogger().getEffectiveLevel())
-
-
-# ---------------------------------------------------------------------- the host side
-
-
-def _watch_lifeline(fd: int) -> None:
-    """Exit the moment the daemon's end of the lifeline closes: the daemon is gone, or closed us."""
-    try:
-        while os.read(fd, 1):
-            pass
-    finally:
-        os._exit(0)
-
-
-def _serve(conn: Connection, life_fd: int) -> int:
-    spec = conn.recv()
-    from echo2swarm.runtime.logging import setup_logging
-
-    setup_logging(spec["log_level"])
-    threading.Thread(target=_watch_lifeline, args=(life_fd,), name="lifeline", daemon=True).start()
-    if spec["cpus"] is not None:
-        try:
-            os.sched_setaffinity(0, spec["cpus"])  # before torch starts its threads
-        except OSError as e:
-            conn.send(("error", "ValueError", f"engine.cpus {spec['cpus']}: cannot run on these cores ({e}); "
-                       f"this process may use {_ranges(os.sched_getaffinity(0))}"))
-            return 1
-    options = dict(spec["options"])
-    if spec["cpus"] is not None and options.get("threads") is None:
-        options["threads"] = len(spec["cpus"])
-    try:
-        from echo2swarm.rollout.engines import make_engine
-
-        engine = make_engine(spec["kind"], Path(spec["model_dir"]), **options)
-    except Exception as e:  # noqa: BLE001 - reported to the daemon, which raises it
-        kind, message = describe(e)
-        conn.send(("error", kind if kind == "ValueError" else "RuntimeError", f"cannot build the engine: {message}"))
-        return 1
-    served = ServedEngine(engine, spec["version"], spec["pace"])
-    conn.send(("ready", engine.name))
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:
-            break
-        op = request[0]
-        if op == "close":
-            break
-        try:
-            if op == "generate":
-                result: Any = served.generate(request[1], request[2], request[3])
-            elif op == "load":
-                result = served.load(Path(request[1]), request[2])
-            else:
-                raise RuntimeError(f"unknown request {op!r}")
-        except Exception as e:  # noqa: BLE001 - one failed request does not end the host
-            conn.send(("error", *describe(e)))
-            continue
-        conn.send(("ok", result))
-    served.close()
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m echo2swarm.rollout.engines.host CONN_FD LIFELINE_FD (started by ProcessEngine)",
-              file=sys.stderr)
-        return 2
-    return _serve(Connection(int(argv[0])), int(argv[1]))
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
