@@ -10,6 +10,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `h
 
 from helpers.swarm import LocalSwarm  # noqa: E402
 
+LOG_TAIL_LINES = 60
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -43,3 +45,15 @@ def local_swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Loca
         yield swarm
     finally:
         swarm.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A swarm test that fails shows the end of each of its daemons' logs in its report: CI keeps
+    no files, and a failure that shows up once in twenty runs must be readable from that one run."""
+    report: pytest.TestReport = yield
+    swarm = getattr(item, "funcargs", {}).get("local_swarm")
+    if report.when == "call" and report.failed and isinstance(swarm, LocalSwarm):
+        for name, tail in swarm.log_tails(LOG_TAIL_LINES):
+            report.sections.append((f"daemon log: {name}", tail))
+    return report

@@ -67,6 +67,21 @@ class LocalSwarm:
         trust_args = ["--trust", f"{trust}"] if trust else []
         return self.start(name, "--role", "rollout", "--price", str(price), *trust_args, *args, **kw)
 
+    def log_tails(self, lines: int) -> list[tuple[str, str]]:
+        """(name, digest) for every daemon started, in start order: its last `lines` warnings and
+        errors, then its last `lines` lines (at DEBUG a busy daemon's tail covers only seconds)."""
+        out = []
+        for d in self.daemons:
+            try:
+                text = d.log_path.read_text(errors="replace").splitlines()
+            except FileNotFoundError:
+                out.append((d.name, "(no log)"))
+                continue
+            alarms = [line for line in text if " WARN " in line or " ERROR " in line][-lines:]
+            out.append((d.name, "\n".join([f"-- last {len(alarms)} warnings and errors", *alarms,
+                                            f"-- last {min(lines, len(text))} lines", *text[-lines:]])))
+        return out
+
     def close(self) -> None:
         for d in reversed(self.daemons):
             if d.running():
