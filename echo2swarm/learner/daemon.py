@@ -173,7 +173,6 @@ class LearnerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.intake is not None and self.metrics is not None
-        intake, train = self.intake, self.train
         started = time.monotonic()
         watcher = asyncio.create_task(self.broadcast.run(stop))
         try:

@@ -7,10 +7,8 @@ start together, as rollout peers do when a lease reply offers them the head.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
