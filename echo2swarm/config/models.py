@@ -170,7 +170,8 @@ class FetchConfig(StrictModel):
 
 
 class StoreConfig(StrictModel):
-    keep_versions: int = Field(2, ge=1, description="Policy versions kept on disk; older ones are garbage-collected.")
+    keep_versions: int = Field(2, ge=1, description="Newest policy versions kept on disk; older ones are "
+                               "garbage-collected unless the rollout engine still reads them.")
 
 
 class PublishConfig(StrictModel):

@@ -25,7 +25,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 import aiohttp
@@ -71,6 +71,9 @@ class PolicyFollower:
         self.session = session
         self.on_version = on_version
         self.on_state = on_state  # the card changed (fetch began or ended): announce it now
+        # Versions whose files a reader still needs (the rollout engine's: see EngineWeights.in_use);
+        # garbage collection keeps them whatever their age. Set by the daemon once the worker exists.
+        self.in_use: Callable[[], Collection[int]] = lambda: ()
         self.inflight = inflight or InFlight()
         self.inflight.poke = self.poke
         self.fetcher = PolicyFetcher(fetch, chunks)
@@ -224,7 +227,8 @@ class PolicyFollower:
             ", ".join(f"{k} {v >> 10} KiB" for k, v in self.fetcher.bytes_from.most_common()),
             self.arrival_s[manifest.version], path,
         )
-        await asyncio.to_thread(collect_garbage, self.versions, self.chunks, self.store_config.keep_versions)
+        await asyncio.to_thread(collect_garbage, self.versions, self.chunks, self.store_config.keep_versions,
+                                set(self.in_use()))
         try:
             if self.on_version is not None:
                 await self.on_version(manifest.version, path)

@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from echo2swarm.policy.manifest import Manifest
@@ -235,18 +235,24 @@ class Assembly:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int) -> list[int]:
-    """Keep the newest `keep` versions and the chunks they reference; returns the versions removed."""
+def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int, in_use: Collection[int] = ()) -> list[int]:
+    """Keep the newest `keep` versions, the versions in `in_use`, and the chunks they reference;
+    returns the versions removed.
+
+    `in_use` is what a reader still needs on disk: a rollout engine reads a version's files when
+    its queued load runs, and a restarted engine process starts from the last version it loaded,
+    both of which can be older than the newest `keep` while the learner publishes fast.
+    """
     from echo2swarm.policy.manifest import SignedManifest
 
     held = versions.versions()
-    drop = held[:-keep] if keep > 0 else held
+    drop = [v for v in (held[:-keep] if keep > 0 else held) if v not in in_use]
     if not drop:
         return []
     for v in drop:
         versions.remove(v)
     referenced: set[str] = set()
-    for v in held[len(drop):]:
+    for v in sorted(set(held) - set(drop)):
         data = versions.manifest_bytes(v)
         if data:
             referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.chunk_refs())

@@ -42,6 +42,7 @@ class FollowerService:
             from echo2swarm.rollout.worker import RolloutWorker
 
             self.worker = RolloutWorker(ctx, self.follower)
+            self.follower.in_use = self.worker.weights.in_use
 
     def _announce_now(self) -> None:
         if self.ctx.announcer is not None:

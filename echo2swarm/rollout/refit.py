@@ -48,6 +48,7 @@ class EngineWeights:
         self.on_built = on_built  # runs in the build thread once the engine holds its first version
         self.engine: Any = None
         self.version: int | None = None  # of the weights the next batch submitted runs on
+        self.loaded: int | None = None  # the last version the engine loaded: where a restarted engine process starts
         self.newest: tuple[int, Path] | None = None  # the newest installed version, loaded or not
         self.swap_s: float | None = None  # last on_version call, first engine build included
         self.refit_s: float | None = None  # last in-place weight reload, as the engine timed it
@@ -56,6 +57,7 @@ class EngineWeights:
         self._last_refit_at: float | None = None  # monotonic time the last load was queued
         self._refit_lock = asyncio.Lock()
         self._refits: set[asyncio.Task[None]] = set()
+        self._loading: set[int] = set()  # versions with a load queued on the engine and not finished
         self._closing = False
 
     async def on_version(self, version: int, path: Path) -> None:
@@ -78,6 +80,12 @@ class EngineWeights:
             return self.version
         return max(newest, self.version)
 
+    def in_use(self) -> set[int]:
+        """Versions whose files the engine may still read: the last it loaded (a restarted engine
+        process starts from it) and every one with a load queued. The follower's garbage collection
+        keeps them, however many newer versions arrive meanwhile."""
+        return self._loading | ({self.loaded} if self.loaded is not None else set())
+
     def refit_due(self) -> bool:
         """Whether the refit budget allows a load now."""
         if self.refit_s is None or self._last_refit_at is None:
@@ -96,7 +104,12 @@ class EngineWeights:
             if self.version is not None and version <= self.version:
                 return
             started = time.perf_counter()
-            load, previous = await asyncio.to_thread(self._submit_load, version, path)
+            self._loading.add(version)
+            try:
+                load, previous = await asyncio.to_thread(self._submit_load, version, path)
+            except BaseException:
+                self._loading.discard(version)
+                raise
             self._last_refit_at = time.monotonic()
             task = asyncio.create_task(self._finish_refit(load, version, path, previous, started))
             self._refits.add(task)
@@ -131,7 +144,7 @@ class EngineWeights:
             else:
                 self.engine = ThreadRunner(make_engine(engine.type, path, **options), version=version,
                                            pace_rollouts_per_s=pace)
-            self.version = version
+            self.version = self.loaded = version
         if self.on_built is not None:
             self.on_built(self.engine, path)
         self.swap_s = time.perf_counter() - started
@@ -163,5 +176,8 @@ class EngineWeights:
                 self.stats["refits_failed"] += 1
                 logger.error("cannot load policy v%d into the engine: %s", version, e)
             return
+        finally:
+            self._loading.discard(version)
+        self.loaded = version if self.loaded is None else max(self.loaded, version)  # loads finish in order
         self.stats["refits"] += 1
         self.swap_s = time.perf_counter() - started

@@ -8,7 +8,7 @@ import pytest
 
 from echo2swarm.policy.manifest import Manifest, SignedManifest, file_entry, sha256_hex
 from echo2swarm.policy.signing import PolicyKey
-from echo2swarm.policy.store import ChunkHashError, ChunkStore, VersionStore
+from echo2swarm.policy.store import ChunkHashError, ChunkStore, VersionStore, collect_garbage
 
 CHUNK = 4
 FILES = {"model.safetensors": b"0123456789abcdef0123", "config.json": b'{"a": 1}', "empty.txt": b""}
@@ -207,3 +207,29 @@ def test_an_assembly_refuses_a_stored_chunk_that_rotted_and_leaves_nothing(chunk
         versions.commit(assembly, envelope, chunks)
 
     assert versions.versions() == [] and list(versions.root.iterdir()) == []
+
+
+# --- garbage collection ----------------------------------------------------------------------
+
+def test_garbage_collection_keeps_the_newest_versions_and_those_in_use(
+    chunks: ChunkStore, versions: VersionStore, key: PolicyKey,
+) -> None:
+    """A rollout engine still reads the version it last loaded, however many came after it."""
+    own_chunk: dict[int, bytes] = {}
+    for v in range(1, 6):
+        files = {**FILES, "model.safetensors": f"v{v}-weights".encode()}  # one chunk of its own a version
+        manifest, envelope, pieces = build(v, key, files)
+        put_all(chunks, pieces)
+        versions.install(manifest, envelope, chunks)
+        own_chunk[v] = f"v{v}-weights".encode()[:CHUNK]
+    assert own_chunk[1] != own_chunk[2]
+
+    assert collect_garbage(versions, chunks, keep=2, in_use={2}) == [1, 3]
+    assert versions.versions() == [2, 4, 5]
+    assert (versions.dir(2) / "model.safetensors").read_bytes() == b"v2-weights"
+    assert chunks.has(sha256_hex(own_chunk[2])) and not chunks.has(sha256_hex(own_chunk[1]))
+
+    # Once nothing uses it, it goes like any other old version.
+    assert collect_garbage(versions, chunks, keep=2) == [2]
+    assert versions.versions() == [4, 5] and not versions.dir(2).exists()
+    assert collect_garbage(versions, chunks, keep=2, in_use={4, 5}) == []
