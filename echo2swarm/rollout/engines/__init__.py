@@ -72,6 +72,8 @@ def make_engine(
         engine = make_engine("auto", Path("models/tiny"), threads=2)
     """
     check_engine_installed(kind)
+    if not (Path(model_dir) / "config.json").is_file():  # else each library reports it as a bad hub repo id
+        raise FileNotFoundError(f"{model_dir} is not a model directory (no config.json there)")
     chosen, why = kind, ""
     if kind in ("auto", "vllm"):
         from echo2swarm.rollout.engines.vllm import import_vllm
