@@ -39,9 +39,12 @@ def test_a_killed_engine_process_is_replaced_and_a_killed_daemon_leaves_none(
 
     os.kill(first, signal.SIGKILL)
     before = stats["worker"]["rollouts"]
-    stats = wait_until(lambda: (s := _stats(peer)).get("engine_restarts", 0) >= 1
-                       and s["worker"].get("rollouts", 0) >= before + 64 and s, 120, interval=0.2,
-                       what="a new engine process and 64 more rollouts")
+    try:
+        stats = wait_until(lambda: (s := _stats(peer)).get("engine_restarts", 0) >= 1
+                           and s["worker"].get("rollouts", 0) >= before + 64 and s, 120, interval=0.2,
+                           what="a new engine process and 64 more rollouts")
+    except TimeoutError as e:  # say where it stopped: the engine, the leases or the learner
+        raise AssertionError(f"{e}\npeer: {_stats(peer)}\nlearner: {_stats(learner)}") from e
     second = stats["engine_pid"]
     assert second != first and not pid_alive(first) and pid_alive(second)
     accepted = stats["worker"].get("groups_accepted", 0)
