@@ -53,7 +53,7 @@ async def settle(condition: Callable[[], Any], what: str, timeout: float = 60.0)
     while not condition():
         if asyncio.get_running_loop().time() > deadline:
             raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the poll interval of this deadline-bounded wait, yielding to the loop
 
 
 def test_the_versions_in_use_follow_queued_loads_and_their_outcome(tmp_path: Path, model_dirs: dict[str, Path]) -> None:
