@@ -251,8 +251,9 @@ def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int, in_us
         return []
     for v in drop:
         versions.remove(v)
+    kept = [v for v in held if v not in drop]
     referenced: set[str] = set()
-    for v in sorted(set(held) - set(drop)):
+    for v in kept:
         data = versions.manifest_bytes(v)
         if data:
             referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.chunk_refs())
