@@ -194,7 +194,7 @@ def main() -> None:
         model = tmp_path / "model"
         model_bytes = write_model(model, target)
         key = tmp_path / "learner.key"
-        from echo2swarm.policy.signing import PolicyKey
+        from echo2swarm.wire.signing import PolicyKey
 
         PolicyKey.generate().save(key)
         (tmp_path / "learner.key.pub").write_text(PolicyKey.load(key).public.text + "\n")

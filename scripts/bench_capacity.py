@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run_point(model_dir: Path, run_dir: Path, ratio: float, args: argparse.Namespace) -> dict:
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
     from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
     run_dir.mkdir(parents=True)

@@ -270,7 +270,7 @@ def _at_lease_end(peer: Any, timeout: float) -> tuple[dict[str, Any], float]:
 
 def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespace,
               cpus: tuple[set[int], set[int]] | None, layout: str) -> dict[str, Any]:
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
     from echo2swarm.runtime.processes import DaemonProcess, loopback_args, wait_until
 
     run_dir.mkdir(parents=True)

@@ -67,7 +67,7 @@ def single_process(model_dir: Path, args: argparse.Namespace) -> dict:
 
 
 def swarm(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> dict:
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
     from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
     key = run_dir / "learner.key"

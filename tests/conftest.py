@@ -31,7 +31,7 @@ def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def policy_key(tmp_path: Path) -> Path:
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
 
     path = tmp_path / "learner.key"
     PolicyKey.generate().save(path)

@@ -116,7 +116,7 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     # Before torch loads: idle OpenMP threads must sleep, not spin, when learner and rollout
     # peers share cores (spinning made generation 4-10x slower on a busy 2-core machine).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from echo2swarm.runtime.daemon import preflight, run_daemon
+    from echo2swarm.daemon.supervisor import preflight, run_daemon
     from echo2swarm.runtime.logging import setup_logging
 
     try:

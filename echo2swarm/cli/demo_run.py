@@ -94,7 +94,7 @@ def plot_reward(records: list[dict[str, Any]], out: Path) -> Path:
 
 def run_demo(opts: DemoOptions) -> int:
     from echo2swarm.models.tiny import write_tiny_model
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
     from echo2swarm.runtime.logging import setup_logging
 
     setup_logging("WARNING")

@@ -7,7 +7,7 @@ import click
 from echo2swarm import __version__
 from echo2swarm.cli.daemon import daemon
 from echo2swarm.cli.demo import demo
-from echo2swarm.cli.keys import keygen, tiny_model
+from echo2swarm.cli.artifacts import keygen, tiny_model
 from echo2swarm.cli.peers import peers
 from echo2swarm.cli.plan import plan
 

@@ -167,7 +167,7 @@ def plan(rollouts_per_step, t_train, t_bcast, l_gen, staleness, publish_every, g
     values.setdefault("publish_every", 1)
     values.setdefault("gamma", 1.1)
     from echo2swarm.control.capacity import CapacityInputs
-    from echo2swarm.control.plan import make_plan
+    from echo2swarm.control.planner import make_plan
 
     if values["staleness"] < values["publish_every"] - 1:
         fail(f"--staleness {values['staleness']} is below --publish-every minus 1 ({values['publish_every'] - 1}): "

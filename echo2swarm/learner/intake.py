@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from echo2swarm.config.rl import LeaseConfig, TrainConfig
 from echo2swarm.learner.buffer import Group, RolloutBuffer
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
-from echo2swarm.learner.protocol import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
+from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
 from echo2swarm.overlay.rpc import RpcError
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger

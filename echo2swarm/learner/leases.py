@@ -15,7 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from echo2swarm.learner.protocol import GroupSubmission
+from echo2swarm.wire.work import GroupSubmission
 
 
 @dataclass

@@ -16,14 +16,14 @@ from echo2swarm.policy.manifest import (
     SAFETENSORS_MAX_HEADER,
     ChunkRef,
     FileEntry,
-    HeadRecord,
     Manifest,
     SignedManifest,
     TensorInfo,
     safetensors_tensors,
     sha256_hex,
 )
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 

@@ -24,10 +24,9 @@ from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.keys import head_key, peers_key
-from echo2swarm.overlay.records import MAX_RECORD_BYTES, PeerCard, RecordError, parse_card
+from echo2swarm.overlay.dht_keys import head_key, peers_key
+from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, parse_card, parse_head
 from echo2swarm.overlay.validation import SwarmRecordValidator
-from echo2swarm.policy.manifest import HeadRecord, ManifestError, parse_head
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -207,9 +206,9 @@ class Overlay:
             try:
                 head = parse_head(value)
                 if head.public_key != subkey:
-                    raise ManifestError("malformed", "head stored under another signer's subkey")
+                    raise RecordError("head stored under another signer's subkey")
                 heads.append(head)
-            except ManifestError as e:
+            except RecordError as e:
                 bad += 1
                 logger.debug("ignoring head record: %s", e)
         return heads, bad

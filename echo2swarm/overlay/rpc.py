@@ -1,7 +1,7 @@
 """Typed RPC over libp2p streams: `rpc_<verb>` handlers with pydantic messages carried as msgpack.
 
 hivemind's P2P speaks protobuf; instead of generating message classes we wrap msgpack bytes in
-protobuf's `BytesValue`, and validate them with the pydantic models in `learner/protocol.py`.
+protobuf's `BytesValue`, and validate them with the pydantic models in `wire/work.py`.
 The caller's identity is the peer id libp2p authenticated for the stream (`context.remote_id`),
 never something in the message. Malformed or oversized messages get an error reply; the
 handler never raises into hivemind, so a garbage-sending peer costs us one log line.

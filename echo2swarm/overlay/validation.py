@@ -14,9 +14,16 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from echo2swarm.overlay.keys import head_key, peers_key
-from echo2swarm.overlay.records import MAX_RECORD_BYTES, MAX_RECORD_TTL_S, MAX_SUBKEY_BYTES, RecordError, parse_card
-from echo2swarm.policy.manifest import HEAD_EXPIRY_SLACK_S, ManifestError, parse_head
+from echo2swarm.overlay.dht_keys import head_key, peers_key
+from echo2swarm.wire.records import (
+    HEAD_EXPIRY_SLACK_S,
+    MAX_RECORD_BYTES,
+    MAX_RECORD_TTL_S,
+    MAX_SUBKEY_BYTES,
+    RecordError,
+    parse_card,
+    parse_head,
+)
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -72,7 +79,7 @@ class SwarmRecordValidator(RecordValidatorBase):
                     return False, f"head v{head.version} with a bad signature"
                 if record.expiration_time > head.expires_ms / 1000 + HEAD_EXPIRY_SLACK_S:
                     return False, f"head v{head.version} stored past its signed expiry (a replay?)"
-        except (RecordError, ManifestError) as e:
+        except RecordError as e:
             return False, str(e)
         return True, ""
 

@@ -24,8 +24,9 @@ from typing import Protocol
 import aiohttp
 
 from echo2swarm.config.models import FetchConfig
-from echo2swarm.policy.manifest import ChunkRef, HeadRecord, Manifest, ManifestError, verify_manifest
-from echo2swarm.policy.signing import PublicKey
+from echo2swarm.policy.manifest import ChunkRef, Manifest, ManifestError, verify_manifest
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import PublicKey
 from echo2swarm.policy.store import Assembly, ChunkHashError, ChunkStore
 from echo2swarm.runtime.logging import get_logger
 

@@ -5,7 +5,7 @@
                                                    │                            └─► on_version(v, dir)
                                                    └─► InFlight: each verified chunk is re-served at once
 
-Each chunk's route comes from the learner's signed broadcast plan (policy/broadcast.py) and the
+Each chunk's route comes from the learner's signed broadcast plan (policy/broadcast_plan.py) and the
 peer cards: plan parent first (held open until it has the chunk), then peers holding the whole
 version, then the learner. Peer cards are re-read while a fetch runs, so holders that finish
 meanwhile take load off the learner.
@@ -32,10 +32,11 @@ import aiohttp
 
 from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.records import PeerCard
-from echo2swarm.policy.broadcast import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
+from echo2swarm.wire.records import PeerCard
+from echo2swarm.policy.broadcast_plan import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
 from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PeerSource, PolicyFetcher, SourceError
-from echo2swarm.policy.manifest import ChunkRef, HeadRecord, ManifestError, parse_head, verify_head
+from echo2swarm.policy.manifest import ChunkRef, ManifestError, verify_head
+from echo2swarm.wire.records import HeadRecord, parse_head
 from echo2swarm.policy.p2p import P2PSource
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
@@ -98,7 +99,7 @@ class PolicyFollower:
         """A head seen outside the DHT (a lease reply): fetch it now if it is newer. Verified like any other."""
         try:
             head = parse_head(json.loads(head_json))
-        except (ValueError, ManifestError):
+        except ValueError:  # RecordError included
             self.refused["malformed"] += 1
             return
         if self.held_version is None or head.version > self.held_version:

@@ -1,10 +1,10 @@
-"""Manifests: the signed description of one policy version, and the head record that points at it.
+"""Manifests: the signed description of one policy version, and how a head record pointing at it is checked.
 
 A version is a set of files (weights as safetensors, config, tokenizer), each cut into fixed-size,
 content-addressed chunks. The manifest lists every file's chunks with sha256 and size; the signed
 envelope carries the manifest, the signer's public key and an Ed25519 signature over the
 manifest's canonical bytes. The head record, small enough for the DHT, names the newest version
-and the sha256 of its envelope, and is signed on its own.
+and the sha256 of its envelope, and is signed on its own (its schema is in wire/records.py).
 
 Everything here is pure: parsing and verification never touch the network or the disk.
 """
@@ -19,37 +19,29 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from echo2swarm.policy.signing import DOMAIN_HEAD, DOMAIN_MANIFEST, PolicyKey, PublicKey, canonical_bytes
+from echo2swarm.wire.records import MAX_VERSION, HeadRecord, RecordError, Sha256
+from echo2swarm.wire.signing import DOMAIN_MANIFEST, PolicyKey, PublicKey, canonical_bytes
 
 MANIFEST_FORMAT = "echo2swarm-manifest/1"
-HEAD_FORMAT = "echo2swarm-head/1"
 # Plain file names only: a manifest can never make a follower write outside its version directory.
 _FILE_NAME = re.compile(r"^(?!\.)[A-Za-z0-9._-]{1,128}$")
 MAX_FILES = 256
 MAX_CHUNKS = 1 << 20
 MAX_TENSORS = 1 << 16
-MAX_VERSION = 10**12
 MAX_CHUNK_SIZE = 64 * 1024 * 1024
-# How far past its signed expiry a head may live in the DHT (clock skew between peers).
-HEAD_EXPIRY_SLACK_S = 5.0
-_PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
 
 
-class ManifestError(ValueError):
+class ManifestError(RecordError):
     """A manifest or head that must not be used. `reason` is a short counter label."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
+        super().__init__(message, reason)
 
 
 class _Strict(BaseModel):
     # strict: "5" or 5.0 is not the int 5, so each signed object has exactly one wire form.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
 
 
 class ChunkRef(_Strict):
@@ -128,49 +120,8 @@ class SignedManifest(_Strict):
         return canonical_bytes(self.model_dump(mode="json"))
 
 
-class HeadRecord(_Strict):
-    """The DHT record announcing the newest version. Stored under subkey = public key text."""
-
-    format: Literal["echo2swarm-head/1"] = HEAD_FORMAT
-    swarm: str = Field(max_length=64)
-    version: int = Field(ge=1, le=MAX_VERSION)
-    manifest_sha256: Sha256
-    manifest_size: int = Field(gt=0)
-    publisher: str = Field(pattern=_PEER_ID, description="peer id of the learner that serves the manifest")
-    published_ms: int = Field(ge=0)
-    expires_ms: int = Field(
-        ge=0, description="signed end of life; nodes refuse to keep the record longer, so a replay dies with it"
-    )
-    public_key: str = Field(max_length=80)
-    signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
-
-    def _payload(self) -> bytes:
-        return canonical_bytes(self.model_dump(mode="json", exclude={"signature"}))
-
-    def signed(self, key: PolicyKey) -> "HeadRecord":
-        if key.public.text != self.public_key:
-            raise ValueError("head public_key must be the signing key's")
-        return self.model_copy(update={"signature": key.sign(DOMAIN_HEAD, self._payload()).hex()})
-
-    def signature_ok(self) -> bool:
-        try:
-            key = PublicKey.parse(self.public_key)
-            return key.verify(DOMAIN_HEAD, self._payload(), bytes.fromhex(self.signature))
-        except ValueError:
-            return False
-
-
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def parse_head(value: object) -> HeadRecord:
-    if not isinstance(value, dict):
-        raise ManifestError("malformed", f"head record is {type(value).__name__}, not a mapping")
-    try:
-        return HeadRecord.model_validate(value)
-    except ValidationError as e:
-        raise ManifestError("malformed", f"head record does not match the schema: {e.errors()[0]['msg']}") from None
 
 
 def verify_head(head: HeadRecord, *, trusted: PublicKey | None, swarm: str, held_version: int | None) -> None:

@@ -13,7 +13,7 @@ import re
 
 from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.records import MAX_VERSION
+from echo2swarm.wire.records import MAX_VERSION
 from echo2swarm.overlay.streams import FrameWriter, StreamError, open_frames, serve_frames, stream_name
 from echo2swarm.policy.fetcher import SourceBusy, SourceError, SourceMissing, SourceUnreachable
 from echo2swarm.policy.manifest import ChunkRef

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from echo2swarm.policy.manifest import HeadRecord
-from echo2swarm.policy.signing import KeyFileError, PublicKey
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import KeyFileError, PublicKey
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

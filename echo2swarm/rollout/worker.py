@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from echo2swarm.config.models import RolloutConfig
-from echo2swarm.learner.protocol import (
+from echo2swarm.wire.work import (
     CompletionMsg,
     GroupSubmission,
     Lease,
@@ -46,7 +46,7 @@ from echo2swarm.overlay.rpc import RpcError, call_client_stream, call_unary, rpc
 from echo2swarm.policy.follower import PolicyFollower
 from echo2swarm.rollout.refit import EngineWeights
 from echo2swarm.rollout.throughput import Throughput
-from echo2swarm.runtime.daemon import DaemonContext
+from echo2swarm.daemon.supervisor import DaemonContext
 from echo2swarm.runtime.aio import backoff_s, wait_any
 from echo2swarm.runtime.logging import get_logger
 

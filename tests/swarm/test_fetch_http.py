@@ -15,7 +15,7 @@ from echo2swarm.learner.publisher import Publisher
 from echo2swarm.policy.fetcher import FetchError, HttpSource, PolicyFetcher, rotating
 from echo2swarm.policy.manifest import ManifestError
 from echo2swarm.policy.server import ChunkServer, ChunkService
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]

@@ -16,7 +16,7 @@ from echo2swarm.policy.fetcher import PolicyFetcher, SourceMissing, rotating
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.p2p import P2PSource, serve_p2p
 from echo2swarm.policy.server import ChunkService
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]

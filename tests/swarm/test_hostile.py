@@ -36,7 +36,7 @@ async def _hostile_peer(bootstrap: str, swarm: str, learner_peer_id: str) -> dic
     from hivemind.p2p import P2P, PeerID
     from hivemind.utils.timed_storage import get_dht_time
 
-    from echo2swarm.overlay.keys import head_key, peers_key
+    from echo2swarm.overlay.dht_keys import head_key, peers_key
 
     p2p = await P2P.create(initial_peers=[bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     node = await DHTNode.create(p2p=p2p, initial_peers=[bootstrap], record_validator=None)
@@ -116,7 +116,7 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
 def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
 
     learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
     rogue_key = tmp_path / "rogue.key"

@@ -20,7 +20,7 @@ def _metrics(learner) -> Path:
 def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
 
     staleness = 1
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness)

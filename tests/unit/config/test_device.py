@@ -78,7 +78,7 @@ def test_preflight_refuses_cuda_without_cuda(monkeypatch: pytest.MonkeyPatch, ti
                                             policy_key: Path) -> None:
     import torch
 
-    from echo2swarm.runtime.daemon import preflight
+    from echo2swarm.daemon.supervisor import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     learner = load_config("learner", None, environ={}, overrides={

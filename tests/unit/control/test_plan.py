@@ -8,7 +8,7 @@ import pytest
 
 from echo2swarm.control.activation import Worker
 from echo2swarm.control.capacity import CapacityInputs
-from echo2swarm.control.plan import make_plan
+from echo2swarm.control.planner import make_plan
 
 
 def test_feasible_plan_reports_active_set_cost_and_bubble():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from echo2swarm.config.rl import ActivationConfig, TrainConfig
-from echo2swarm.learner.activation import LearnerActivation
+from echo2swarm.learner.activation_loop import LearnerActivation
 
 
 @dataclass

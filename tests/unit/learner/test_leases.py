@@ -9,7 +9,7 @@ import pytest
 from echo2swarm.config.rl import LeaseConfig, TrainConfig
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
-from echo2swarm.learner.protocol import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
+from echo2swarm.wire.work import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
 from echo2swarm.models.tiny import build_char_tokenizer
 from echo2swarm.tasks.registry import get_task
 

@@ -10,11 +10,11 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from echo2swarm.overlay.keys import head_key, peers_key
-from echo2swarm.overlay.records import MAX_RECORD_BYTES
+from echo2swarm.overlay.dht_keys import head_key, peers_key
+from echo2swarm.wire.records import MAX_RECORD_BYTES
 from echo2swarm.overlay.validation import SwarmRecordValidator, key_id
-from echo2swarm.policy.manifest import HeadRecord
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import PolicyKey
 
 SWARM = "demo"
 PEER_ID = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"

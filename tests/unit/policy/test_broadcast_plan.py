@@ -8,13 +8,13 @@ import time
 import pytest
 
 from echo2swarm.config.models import ChunkServerConfig, RelayConfig
-from echo2swarm.overlay.records import PeerCard, RecordError, parse_card
-from echo2swarm.policy.broadcast import PlanError, make_plan, plan_chains, verify_plan
+from echo2swarm.wire.records import PeerCard, RecordError, parse_card
+from echo2swarm.policy.broadcast_plan import PlanError, make_plan, plan_chains, verify_plan
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import Busy, ChunkService
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 
 LEARNER = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"
@@ -172,7 +172,7 @@ def test_a_plan_for_a_huge_swarm_still_fits_what_followers_accept(seeds: int):
 
 
 def test_t_bcast_waits_for_every_planned_peer_and_counts_a_skipped_version_by_the_next_one():
-    from echo2swarm.learner.broadcast import BroadcastTracker
+    from echo2swarm.learner.broadcast_tracker import BroadcastTracker
 
     class FakeOverlay:  # only what plan() reads: the swarm name and our peer id
         class config:

@@ -10,19 +10,18 @@ from safetensors.torch import save as save_safetensors
 from echo2swarm.policy.manifest import (
     ChunkRef,
     FileEntry,
-    HeadRecord,
     Manifest,
     ManifestError,
     SignedManifest,
     file_entry,
-    parse_head,
     safetensors_tensors,
     sha256_hex,
     split_chunks,
     verify_head,
     verify_manifest,
 )
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.records import HeadRecord, RecordError, parse_head
+from echo2swarm.wire.signing import PolicyKey
 
 SWARM = "demo"
 CHUNK = 4
@@ -57,7 +56,7 @@ def envelope_and_head(key: PolicyKey, version: int = 3) -> tuple[bytes, HeadReco
     return data, make_head(data, key, version)
 
 
-def reason(excinfo: pytest.ExceptionInfo[ManifestError]) -> str:
+def reason(excinfo: pytest.ExceptionInfo[RecordError]) -> str:
     return excinfo.value.reason
 
 
@@ -73,10 +72,10 @@ def test_good_head_verifies(key: PolicyKey) -> None:
 def test_head_round_trips_through_parse_head(key: PolicyKey) -> None:
     _, head = envelope_and_head(key)
     assert parse_head(head.model_dump(mode="json")) == head
-    with pytest.raises(ManifestError) as e:
+    with pytest.raises(RecordError) as e:
         parse_head([1, 2])
     assert reason(e) == "malformed"
-    with pytest.raises(ManifestError) as e:
+    with pytest.raises(RecordError) as e:
         parse_head({**head.model_dump(mode="json"), "extra": 1})
     assert reason(e) == "malformed"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from echo2swarm.policy.signing import (
+from echo2swarm.wire.signing import (
     DOMAIN_HEAD,
     DOMAIN_MANIFEST,
     KeyFileError,

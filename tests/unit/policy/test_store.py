@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from echo2swarm.policy.manifest import Manifest, SignedManifest, file_entry, sha256_hex
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkHashError, ChunkStore, VersionStore, collect_garbage
 
 CHUNK = 4

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from echo2swarm.policy.manifest import HeadRecord
-from echo2swarm.policy.signing import KeyFileError, PolicyKey
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import KeyFileError, PolicyKey
 from echo2swarm.policy.trust import TOFU_FILE, TrustAnchor
 
 SWARM = "demo"

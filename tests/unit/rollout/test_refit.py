@@ -15,7 +15,7 @@ import pytest
 
 from echo2swarm.config.loading import load_config
 from echo2swarm.policy.manifest import Manifest, SignedManifest, file_entry, sha256_hex
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.rollout.engines.base import SamplingParams
 from echo2swarm.rollout.refit import EngineWeights

@@ -28,7 +28,7 @@ from echo2swarm import __version__
 from echo2swarm.config.loading import dump_config
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
-from echo2swarm.overlay.records import Arrival, PeerCard
+from echo2swarm.wire.records import Arrival, PeerCard
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
@@ -89,11 +89,11 @@ class BootstrapService:
 def _make_service(ctx: DaemonContext) -> RoleService:
     role = ctx.config.role
     if role == "learner":
-        from echo2swarm.learner.daemon import LearnerService
+        from echo2swarm.daemon.learner_service import LearnerService
 
         return LearnerService(ctx)
     if role in ("rollout", "relay"):
-        from echo2swarm.rollout.daemon import FollowerService
+        from echo2swarm.daemon.follower_service import FollowerService
 
         return FollowerService(ctx)
     return BootstrapService()
@@ -292,7 +292,7 @@ def preflight(config: Any) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
     if config.role == "learner":
         from echo2swarm.learner.publisher import model_files
-        from echo2swarm.policy.signing import PolicyKey
+        from echo2swarm.wire.signing import PolicyKey
 
         from echo2swarm.tasks.registry import available_tasks
 
@@ -305,7 +305,7 @@ def preflight(config: Any) -> None:
 
             resolve_device(config.train.device, setting="train.device (--device)")
     elif config.role in ("rollout", "relay") and config.trust:
-        from echo2swarm.policy.signing import load_trusted_key
+        from echo2swarm.wire.signing import load_trusted_key
 
         load_trusted_key(config.trust)
     if config.role == "rollout":

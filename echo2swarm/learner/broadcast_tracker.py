@@ -16,9 +16,9 @@ import time
 from collections import OrderedDict
 
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.records import PeerCard
-from echo2swarm.policy.broadcast import make_plan
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.records import PeerCard
+from echo2swarm.policy.broadcast_plan import make_plan
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

@@ -17,7 +17,7 @@ def keygen(path: Path, force: bool) -> None:
 
     Rollout peers pin the public key with --trust PATH.pub (or the 'ed25519:...' line it holds).
     """
-    from echo2swarm.policy.signing import PolicyKey
+    from echo2swarm.wire.signing import PolicyKey
 
     key = PolicyKey.generate()
     try:

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.policy.follower import PolicyFollower
-from echo2swarm.policy.signing import load_trusted_key
+from echo2swarm.wire.signing import load_trusted_key
 from echo2swarm.policy.trust import TrustAnchor
-from echo2swarm.runtime.daemon import DaemonContext
+from echo2swarm.daemon.supervisor import DaemonContext
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

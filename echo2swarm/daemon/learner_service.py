@@ -22,19 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
-from echo2swarm.learner.activation import LearnerActivation
-from echo2swarm.learner.broadcast import BroadcastTracker
+from echo2swarm.learner.activation_loop import LearnerActivation
+from echo2swarm.learner.broadcast_tracker import BroadcastTracker
 from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
-from echo2swarm.learner.protocol import GroupSubmission, LeaseRequest
+from echo2swarm.wire.work import GroupSubmission, LeaseRequest
 from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
-from echo2swarm.policy.manifest import HeadRecord
-from echo2swarm.policy.signing import PolicyKey
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import collect_garbage
-from echo2swarm.runtime.daemon import DaemonContext
+from echo2swarm.daemon.supervisor import DaemonContext
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 

@@ -1,4 +1,12 @@
-"""Schemas of the small records peers publish in the DHT (bulk data never goes through the DHT)."""
+"""Schemas of the small records peers publish in the DHT (bulk data never goes through the DHT).
+
+Both sides speak these: the overlay validates them where they are stored, the policy plane (head)
+and the daemon (peer cards) write them, and the learner and followers read them. They live below
+all of those, so none has to reach into another's package for them.
+
+    PeerCard    a daemon's self-description, under the swarm's peers key, subkey = its peer id
+    HeadRecord  the learner's signed pointer to its newest policy version, subkey = its public key
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,8 @@ import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from echo2swarm.wire.signing import DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes
 
 MAX_RECORD_BYTES = 16 * 1024
 MAX_SUBKEY_BYTES = 256
@@ -15,10 +25,23 @@ MAX_VERSION = 10**12
 PeerState = Literal["starting", "syncing", "ready", "stopping"]
 PEER_STATES: tuple[str, ...] = ("starting", "syncing", "ready", "stopping")
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+HEAD_FORMAT = "echo2swarm-head/1"
+# How far past its signed expiry a head may live in the DHT (clock skew between peers).
+HEAD_EXPIRY_SLACK_S = 5.0
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
 
 
 class RecordError(ValueError):
-    pass
+    """A record that must not be used. `reason` is a short counter label."""
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Strict(BaseModel):
+    # strict: "5" or 5.0 is not the int 5, so each signed object has exactly one wire form.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Arrival(BaseModel):
@@ -80,3 +103,44 @@ def parse_card(value: object) -> PeerCard:
         return PeerCard.model_validate(value)
     except ValidationError as e:
         raise RecordError(f"peer card does not match the schema: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+
+
+class HeadRecord(_Strict):
+    """The DHT record announcing the newest version. Stored under subkey = public key text."""
+
+    format: Literal["echo2swarm-head/1"] = HEAD_FORMAT
+    swarm: str = Field(max_length=64)
+    version: int = Field(ge=1, le=MAX_VERSION)
+    manifest_sha256: Sha256
+    manifest_size: int = Field(gt=0)
+    publisher: str = Field(pattern=_PEER_ID.pattern, description="peer id of the learner that serves the manifest")
+    published_ms: int = Field(ge=0)
+    expires_ms: int = Field(
+        ge=0, description="signed end of life; nodes refuse to keep the record longer, so a replay dies with it"
+    )
+    public_key: str = Field(max_length=80)
+    signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
+
+    def _payload(self) -> bytes:
+        return canonical_bytes(self.model_dump(mode="json", exclude={"signature"}))
+
+    def signed(self, key: PolicyKey) -> "HeadRecord":
+        if key.public.text != self.public_key:
+            raise ValueError("head public_key must be the signing key's")
+        return self.model_copy(update={"signature": key.sign(DOMAIN_HEAD, self._payload()).hex()})
+
+    def signature_ok(self) -> bool:
+        try:
+            key = PublicKey.parse(self.public_key)
+            return key.verify(DOMAIN_HEAD, self._payload(), bytes.fromhex(self.signature))
+        except ValueError:
+            return False
+
+
+def parse_head(value: object) -> HeadRecord:
+    if not isinstance(value, dict):
+        raise RecordError(f"head record is {type(value).__name__}, not a mapping")
+    try:
+        return HeadRecord.model_validate(value)
+    except ValidationError as e:
+        raise RecordError(f"head record does not match the schema: {e.errors()[0]['msg']}") from None

@@ -24,8 +24,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo2swarm.overlay.records import MAX_VERSION
-from echo2swarm.policy.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
+from echo2swarm.wire.records import MAX_VERSION
+from echo2swarm.wire.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
 
 MAX_PLAN_BYTES = 256 * 1024
 MAX_PLAN_ENTRIES = 4096  # stripes x peers; at ~55 bytes per peer id this stays under MAX_PLAN_BYTES
