@@ -1,0 +1,228 @@
+"""The rollout-engine contract (echo2swarm/rollout/engines/base.py) as tests, written once for every engine.
+
+A test module for one engine subclasses :class:`EngineContract` as ``Test…`` (so that pytest
+collects it; this module's own class is not collected) and provides these fixtures:
+
+- ``model_dirs``: :func:`helpers.models.engine_model_dirs`;
+- ``engine``: the engine under test on ``model_dirs["seed0"]``;
+- ``refit_engine``: an engine on ``model_dirs["seed0"]`` whose weights the refit test changes (it
+  puts seed0 back before it ends, so this may be ``engine`` itself where building one is dear);
+- ``reference``: ``{"seed0": …, "seed1": …}``, transformers engines holding those weights. Every
+  logprob is checked against teacher forcing on them: one unpadded, uncached forward pass over
+  prompt + completion, the definition the learner relies on.
+
+and sets ``greedy_tolerance``: how far the engine's greedy logprobs may be from the transformers
+engine's, and from its own earlier ones after a refit there and back (0.0: the very same outputs,
+as for the transformers engine itself).
+
+The assertion helpers below are what the engine-specific tests use as well.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from echo2swarm.rollout.engines import Completion, Engine, SamplingParams
+
+if TYPE_CHECKING:
+    from echo2swarm.rollout.engines.hf import TransformersEngine
+
+__all__ = [
+    "EOS", "GREEDY", "LONG_PROMPT", "MIXED_PROMPTS", "EngineContract", "assert_closed", "assert_logprobs_match",
+    "assert_same_completions", "assert_well_formed", "greedy_reference", "teacher_forced_logprobs", "token_ids",
+]
+
+EOS = 2  # the tiny model's only EOS id
+MIXED_PROMPTS = ["1", "12+3=", "7+8=", "abc, 99*3-4="]  # lengths 1, 5, 4, 12: real left padding
+# 71 tokens: fills two prefix-cache blocks of 32, so a cache that outlives a refit shows.
+LONG_PROMPT = "what is 12 + 34 * 5 - 6, and then 7 * 8 + 9, and 10 - 11 * 12? answer: "
+GREEDY = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+
+
+# ---------------------------------------------------------------------------- reference computations
+
+
+def teacher_forced_logprobs(
+    reference: TransformersEngine, prompt: str, completion: list[int], temperature: float
+) -> list[float]:
+    """log_softmax(logits / T) of each completion token from one plain forward pass."""
+    prompt_ids = reference.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([prompt_ids + completion])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    start = len(prompt_ids) - 1
+    return [logp[start + i, token].item() for i, token in enumerate(completion)]
+
+
+def greedy_reference(reference: TransformersEngine, prompt: str, max_new_tokens: int) -> list[int]:
+    """Argmax decoding one token at a time, re-running the whole sequence each step."""
+    ids = list(reference.tokenizer(prompt)["input_ids"])
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            token = int(reference.model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(token)
+            ids.append(token)
+            if token == EOS:
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------- assertions
+
+
+def token_ids(groups: list[list[Completion]]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in group] for group in groups]
+
+
+def assert_well_formed(completion: Completion, max_new_tokens: int) -> None:
+    """Lengths, logprob signs and the stop/length semantics of one completion."""
+    assert 1 <= len(completion.token_ids) <= max_new_tokens
+    assert len(completion.logprobs) == len(completion.token_ids)
+    assert all(lp <= 0.0 for lp in completion.logprobs)
+    assert EOS not in completion.token_ids[:-1]  # nothing after EOS
+    assert (completion.finish_reason == "stop") == (completion.token_ids[-1] == EOS)
+    if completion.finish_reason == "length":
+        assert len(completion.token_ids) == max_new_tokens
+
+
+def assert_logprobs_match(
+    reference: TransformersEngine, prompts: list[str], groups: list[list[Completion]], temperature: float
+) -> None:
+    """Every reported logprob equals teacher forcing on ``reference`` at ``temperature``."""
+    for prompt, group in zip(prompts, groups, strict=True):
+        for completion in group:
+            expected = teacher_forced_logprobs(reference, prompt, completion.token_ids, temperature)
+            assert completion.logprobs == pytest.approx(expected, abs=1e-4), prompt
+
+
+def assert_same_completions(
+    got: list[list[Completion]], expected: list[list[Completion]], tolerance: float = 1e-4
+) -> None:
+    """Same tokens and finish reasons, logprobs within ``tolerance`` (0.0: equal outright)."""
+    if tolerance == 0.0:
+        assert got == expected
+        return
+    assert token_ids(got) == token_ids(expected)
+    assert [[c.finish_reason for c in g] for g in got] == [[c.finish_reason for c in g] for g in expected]
+    for group_got, group_expected in zip(got, expected):
+        for a, b in zip(group_got, group_expected):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=tolerance)
+
+
+def assert_closed(engine: Engine) -> None:
+    """A closed engine refuses work and may be closed again."""
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(["1"], SamplingParams(n=1, max_new_tokens=1))
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.load_weights(Path("/nonexistent"))
+    engine.close()
+
+
+# ---------------------------------------------------------------------------- the contract
+
+
+class EngineContract:
+    """What every engine must do; see the module docstring for the fixtures a subclass provides."""
+
+    greedy_tolerance: float = 1e-4
+
+    def test_is_an_engine_and_checks_its_prompts(self, engine: Engine) -> None:
+        assert isinstance(engine, Engine)
+        assert engine.generate([], GREEDY) == []
+        assert engine.generate([], SamplingParams(n=2, max_new_tokens=3)) == []
+        with pytest.raises(ValueError, match="prompt 1"):
+            engine.generate(["1+1=", ""], SamplingParams(n=1, max_new_tokens=2))
+
+    # One token is the edge where the first sampled token is also the last.
+    @pytest.mark.parametrize("max_new_tokens", [10, 1])
+    def test_greedy_is_one_by_one_argmax_with_logprobs_at_t1(
+        self, engine: Engine, reference: dict[str, TransformersEngine], max_new_tokens: int
+    ) -> None:
+        groups = engine.generate(MIXED_PROMPTS, SamplingParams(n=2, max_new_tokens=max_new_tokens, temperature=0.0,
+                                                               seed=0))
+
+        assert [len(group) for group in groups] == [2] * len(MIXED_PROMPTS)
+        for prompt, group in zip(MIXED_PROMPTS, groups, strict=True):
+            expected = greedy_reference(reference["seed0"], prompt, max_new_tokens)
+            assert [c.token_ids for c in group] == [expected, expected]
+            # n equal completions, yet each its own object: a caller may change one.
+            assert group[0] is not group[1] and group[0].token_ids is not group[1].token_ids
+            for completion in group:
+                assert_well_formed(completion, max_new_tokens)
+        assert_logprobs_match(reference["seed0"], MIXED_PROMPTS, groups, 1.0)  # greedy reports T = 1 logprobs
+
+    @pytest.mark.parametrize("temperature", [1.0, 0.7])
+    def test_sampling_logprobs_seeds_and_stops(
+        self, engine: Engine, reference: dict[str, TransformersEngine], temperature: float
+    ) -> None:
+        params = SamplingParams(n=8, max_new_tokens=8, temperature=temperature, seed=11)
+        groups = engine.generate(MIXED_PROMPTS, params)
+
+        assert [len(group) for group in groups] == [8] * len(MIXED_PROMPTS)
+        for group in groups:
+            for completion in group:
+                assert_well_formed(completion, params.max_new_tokens)
+            assert len({tuple(c.token_ids) for c in group}) > 1  # n samples, not n copies
+        # The random tiny model stops on EOS now and then: both finish reasons occur.
+        reasons = {c.finish_reason for group in groups for c in group}
+        assert reasons == {"stop", "length"}, reasons
+        assert_logprobs_match(reference["seed0"], MIXED_PROMPTS, groups, temperature)
+
+        # Prompts must not share noise: sample i of two prompts of the same length would otherwise
+        # pick the same tokens wherever their distributions look alike.
+        twins = engine.generate(["12+3=", "12+4="], params)
+        assert [c.token_ids for c in twins[0]] != [c.token_ids for c in twins[1]]
+
+        assert engine.generate(MIXED_PROMPTS, params) == groups  # same seed, same completions
+        other = engine.generate(MIXED_PROMPTS, SamplingParams(n=8, max_new_tokens=8, temperature=temperature, seed=12))
+        assert token_ids(other) != token_ids(groups)
+
+    def test_refit_in_place(
+        self, refit_engine: Engine, reference: dict[str, TransformersEngine], model_dirs: dict[str, Path]
+    ) -> None:
+        engine = refit_engine
+        prompts = [*MIXED_PROMPTS, LONG_PROMPT]
+        sampled = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=5)
+        before_greedy = engine.generate(prompts, GREEDY)
+        before_sampled = engine.generate(prompts, sampled)
+
+        seconds = engine.load_weights(model_dirs["seed1"])
+
+        assert isinstance(seconds, float) and seconds >= 0.0
+        # The same prompts again: a prefix cache still holding the old weights' KV would show here.
+        after_greedy = engine.generate(prompts, GREEDY)
+        expected_greedy = reference["seed1"].generate(prompts, GREEDY)
+        assert_same_completions(after_greedy, expected_greedy, self.greedy_tolerance)
+        # The random tiny models' greedy tokens often coincide; their logprobs never do.
+        drift = max(abs(a - b) for g1, g0 in zip(after_greedy, before_greedy) for c1, c0 in zip(g1, g0)
+                    for a, b in zip(c1.logprobs, c0.logprobs))
+        assert drift > 0.05
+        after_sampled = engine.generate(prompts, sampled)
+        assert_logprobs_match(reference["seed1"], prompts, after_sampled, 1.0)
+        assert token_ids(after_sampled) != token_ids(before_sampled)
+
+        # Tensors that do not fit are refused, and the weights stay as they were.
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(file \(255, 128\).*, "
+                                             r"model \(256, 128\)"):
+            engine.load_weights(model_dirs["bad_shape"])
+        assert_same_completions(engine.generate(prompts, GREEDY), expected_greedy, self.greedy_tolerance)
+        with pytest.raises(ValueError) as caught:
+            engine.load_weights(model_dirs["bad_keys"])
+        assert "missing: model.layers.1.mlp.gate_proj.weight" in str(caught.value)
+        assert "unexpected: model.layers.1.mlp.gate_proj.weight_typo" in str(caught.value)
+        assert_same_completions(engine.generate(prompts, GREEDY), expected_greedy, self.greedy_tolerance)
+        with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+            engine.load_weights(model_dirs["seed0"].parent)
+        with pytest.raises(ValueError, match=r"truncated/model\.safetensors: not a readable safetensors file"):
+            engine.load_weights(model_dirs["truncated"])
+        assert_same_completions(engine.generate(prompts, GREEDY), expected_greedy, self.greedy_tolerance)
+
+        # And back: the engine leaves with the weights it came with.
+        engine.load_weights(model_dirs["seed0"])
+        assert_same_completions(engine.generate(prompts, GREEDY), before_greedy, self.greedy_tolerance)
+        assert token_ids(engine.generate(prompts, sampled)) == token_ids(before_sampled)
