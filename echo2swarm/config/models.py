@@ -110,7 +110,14 @@ class OverlayConfig(StrictModel):
 
 
 class ChunkServerConfig(StrictModel):
-    """The HTTP server that hands out manifests and verified chunks."""
+    """The HTTP server (and libp2p stream handler) that hands out manifests and verified chunks.
+
+    Its capacity is split into budgets, each capped for all clients together and per client (an IP
+    address over HTTP, a peer id over libp2p): connections, control requests (manifests, plans,
+    /v1/head, /v1/info), held chunk requests and chunk uploads. Control requests have a budget of
+    their own, so a flood of chunk requests cannot keep the swarm from its manifests. Past a
+    per-client cap the answer is 429, past a global one 503, both with Retry-After.
+    """
 
     enabled: bool = Field(True, description="Serve verified chunks to other peers over HTTP.")
     host: str = Field("0.0.0.0", description="Interface to bind.")
@@ -119,15 +126,77 @@ class ChunkServerConfig(StrictModel):
         None, max_length=200,
         description="URL other peers use (http://host:port). None: derived from the bound port and overlay addresses.",
     )
-    max_connections: int = Field(64, ge=1, description="Concurrent HTTP connections served at most.")
+    max_connections: int = Field(
+        256, ge=1, le=65536,
+        description="Open HTTP connections (all clients) at most, and libp2p requests being answered at most. "
+        "A connection past it is answered once (503 for a chunk request) and closed; past twice it, closed at once.",
+    )
+    max_connections_per_client: int = Field(
+        32, ge=1,
+        description="Open HTTP connections from one IP address (libp2p: requests being answered for one peer id) "
+        "at most. A connection past it is answered once (429 for a chunk request) and closed; past twice it, "
+        "closed at once. Default: 32, at most half of max_connections.",
+    )
+    control_slots: int = Field(
+        16, ge=1, le=4096,
+        description="Manifest, plan, /v1/head and /v1/info requests (and any other non-chunk request) answered "
+        "at once at most, both transports: a reserve that chunk traffic and held requests cannot take; more get 503.",
+    )
+    control_slots_per_client: int = Field(
+        4, ge=1,
+        description="Control requests answered at once for one client at most; more get 429. "
+        "Default: 4, at most half of control_slots.",
+    )
+    max_waiting: int = Field(
+        32, ge=1, le=4096,
+        description="Chunk requests held at once (waiting for a chunk of the version being fetched) at most, "
+        "both transports; more get 503.",
+    )
+    max_waiting_per_client: int = Field(
+        8, ge=1,
+        description="Chunk requests held at once for one client at most; more get 429. "
+        "Default: 8, at most half of max_waiting.",
+    )
     upload_slots: int = Field(
-        16, ge=1, le=1024, description="Chunk bodies uploaded at once at most (HTTP and libp2p); more get 'busy'."
+        16, ge=1, le=1024, description="Chunk bodies uploaded at once at most (HTTP and libp2p); more get 503 ('busy')."
+    )
+    upload_slots_per_client: int = Field(
+        8, ge=1,
+        description="Chunk bodies uploaded at once to one client at most; more get 429. "
+        "Default: 8, at most half of upload_slots.",
     )
     wait_s: float = Field(
         15.0, ge=0, le=300,
-        description="Seconds a request for a chunk this peer is still fetching is held until it arrives (pipelining).",
+        description="Seconds a request for a chunk this peer is still fetching is held until it arrives (pipelining). "
+        "Only a version whose signed manifest this peer has verified is waited for.",
+    )
+    idle_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Seconds an HTTP connection may stay open without a request in progress: a new connection "
+        "must send its whole request head within it, and an idle keep-alive connection is closed after it.",
+    )
+    retry_after_s: int = Field(
+        2, ge=1, le=3600,
+        description="Seconds a refused client is told to wait (HTTP Retry-After header; libp2p error text) "
+        "with every 429 and 503 refusal.",
     )
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one chunk response may take before it is cut.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_client_defaults(cls, data: object) -> object:
+        # A per-client cap left unset follows its global cap down: its default, or half the global
+        # cap where that is less (at least 1), so lowering a global cap alone stays valid.
+        if isinstance(data, dict):
+            for per_client, total in cls.per_client_caps():
+                if per_client not in data:
+                    try:
+                        given = int(data.get(total, cls.model_fields[total].default))
+                    except (TypeError, ValueError):
+                        continue  # the field's own validation reports it
+                    default = cls.model_fields[per_client].default
+                    data = {**data, per_client: min(default, max(1, given // 2))}
+        return data
 
     @field_validator("public_url")
     @classmethod
@@ -135,6 +204,39 @@ class ChunkServerConfig(StrictModel):
         if v is not None and not re.fullmatch(r"http://[^/\s]+(:\d+)?/?", v):
             raise ValueError("public_url must look like http://203.0.113.5:8080")
         return v.rstrip("/") if v else v
+
+    @model_validator(mode="after")
+    def _caps(self) -> "ChunkServerConfig":
+        for per_client, total in self.per_client_caps():
+            mine, all_ = getattr(self, per_client), getattr(self, total)
+            if mine > all_ or (mine == all_ and all_ > 1):
+                raise ValueError(
+                    f"chunk_server.{per_client} ({mine}) must be below chunk_server.{total} ({all_}), "
+                    "or one client could take the whole budget"
+                )
+        budgets = self.control_slots + self.max_waiting + self.upload_slots
+        if self.max_connections < budgets:
+            raise ValueError(
+                f"chunk_server.max_connections ({self.max_connections}) must be at least control_slots + max_waiting "
+                f"+ upload_slots ({budgets}), or chunk traffic could leave no connection for manifests"
+            )
+        mine = self.control_slots_per_client + self.max_waiting_per_client + self.upload_slots_per_client
+        if self.max_connections_per_client < mine:
+            raise ValueError(
+                f"chunk_server.max_connections_per_client ({self.max_connections_per_client}) must be at least "
+                f"control_slots_per_client + max_waiting_per_client + upload_slots_per_client ({mine})"
+            )
+        return self
+
+    @staticmethod
+    def per_client_caps() -> tuple[tuple[str, str], ...]:
+        """(per-client cap, its global cap) field names."""
+        return (
+            ("max_connections_per_client", "max_connections"),
+            ("control_slots_per_client", "control_slots"),
+            ("max_waiting_per_client", "max_waiting"),
+            ("upload_slots_per_client", "upload_slots"),
+        )
 
 
 class FetchConfig(StrictModel):
