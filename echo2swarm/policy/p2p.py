@@ -1,6 +1,6 @@
 """Chunks over libp2p streams: the fallback transport for peers reachable only through the overlay.
 
-Same service as the HTTP server (what may be served, upload slots, upload limit), another front
+Same service as the HTTP server (what may be served, budgets, upload limit), another front
 end: `serve_p2p` answers `manifest`, `plan` and `chunk` requests on the daemon's p2pd, and
 `P2PSource` is the fetcher's side. A peer behind NAT that runs without a chunk server
 (`--no-chunk-server`) is still a full member of the broadcast this way.
@@ -14,10 +14,10 @@ import re
 from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import MAX_VERSION
-from echo2swarm.overlay.streams import FrameWriter, StreamError, open_frames, serve_frames, stream_name
+from echo2swarm.overlay.streams import FrameWriter, Handler, StreamError, open_frames, serve_frames, stream_name
 from echo2swarm.policy.fetcher import SourceBusy, SourceError, SourceMissing, SourceUnreachable
 from echo2swarm.policy.manifest import ChunkRef
-from echo2swarm.policy.server import Busy, ChunkService
+from echo2swarm.policy.server import ChunkService, Refused
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -29,18 +29,28 @@ def _version(request: dict[str, object]) -> int:
     return version
 
 
-async def serve_p2p(overlay: Overlay, service: ChunkService) -> None:
-    async def handle(request: dict[str, object], peer: str, out: FrameWriter) -> None:
+def p2p_handler(service: ChunkService) -> Handler:
+    """The libp2p front end of `service`: one request per stream, answered with a header frame (and body).
+
+    Clients are told apart by the peer id libp2p authenticated (`peer:<id>`). A request holds one
+    unit of the `streams` budget while it is answered, a manifest or plan one of `control`, a held
+    chunk request one of `waiting`, a chunk body one of `uploads`. A full budget is answered with
+    a 429 (the peer's share) or 503 (the whole server's) header whose `error` ends in
+    "retry after N s", and counted like HTTP's refusals and in `p2p_refused`.
+    """
+
+    async def answer(request: dict[str, object], client: str, out: FrameWriter) -> None:
         op = request.get("op")
         if op in ("manifest", "plan"):
             version = _version(request)
-            data = service.manifest(version) if op == "manifest" else service.plan(version)
-            if data is None:
-                await out.header(404, error=f"no {op} for version {version}")
-                return
-            await out.header(200, len(data))
-            await service.limiter.take(len(data))
-            await out.write(data)
+            with service.hold(service.control, client):
+                data = service.manifest(version) if op == "manifest" else service.plan(version)
+                if data is None:
+                    await out.header(404, error=f"no {op} for version {version}")
+                    return
+                await out.header(200, len(data))
+                await service.limiter.take(len(data))
+                await out.write(data)
         elif op == "chunk":
             sha = request.get("sha256")
             wait = request.get("wait", 0.0)
@@ -49,22 +59,33 @@ async def serve_p2p(overlay: Overlay, service: ChunkService) -> None:
             if not isinstance(wait, (int, float)) or isinstance(wait, bool):
                 raise StreamError("wait must be seconds")
             version = _version(request) if request.get("version") is not None else None
-            f = await service.open_chunk(sha, float(wait), version)
+            f = await service.open_chunk(sha, float(wait), version, client)
             if f is None:
                 await out.header(404, error="chunk not held")
                 return
             with f:
-                try:
-                    with service.upload_slot():
-                        await out.header(200, f.seek(0, 2))
-                        f.seek(0)
-                        await service.upload(f, out.write)
-                except Busy:
-                    await out.header(503, error="upload slots full")
+                with service.upload_slot(client):
+                    await out.header(200, f.seek(0, 2))
+                    f.seek(0)
+                    await service.upload(f, out.write)
         else:
             raise StreamError(f"unknown op {str(op)[:20]!r}")
 
-    await serve_frames(overlay.p2p, stream_name(overlay.config.swarm, "chunks"), handle, service.config.request_timeout_s)
+    async def handle(request: dict[str, object], peer: str, out: FrameWriter) -> None:
+        client = f"peer:{peer}"
+        try:
+            with service.hold(service.streams, client):
+                await answer(request, client, out)
+        except Refused as refusal:  # always before a header: every budget is taken before answering
+            service.stats["p2p_refused"] += 1
+            await out.header(refusal.status, error=f"{refusal.text}; retry after {service.config.retry_after_s} s")
+
+    return handle
+
+
+async def serve_p2p(overlay: Overlay, service: ChunkService) -> None:
+    await serve_frames(overlay.p2p, stream_name(overlay.config.swarm, "chunks"), p2p_handler(service),
+                       service.config.request_timeout_s)
 
 
 class P2PSource:
@@ -84,8 +105,8 @@ class P2PSource:
             async with open_frames(self.overlay.p2p, self.peer_id, self.maddrs, self._protocol, request,
                                    connect_timeout) as (head, body):
                 status, size = head["status"], head["size"]
-                if status == 503:
-                    raise SourceBusy(f"{self.name}: busy")
+                if status in (429, 503):  # refused for now: this peer's share, or the server, is full
+                    raise SourceBusy(f"{self.name}: busy ({status}): {str(head.get('error', ''))[:100]}")
                 if status == 404:
                     raise SourceMissing(f"{self.name}: {str(head.get('error', 'not held'))[:100]}")
                 if status != 200:

@@ -6,17 +6,29 @@
     GET /v1/plan/{version}             -> the learner's signed broadcast plan for that version, else 404
     GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
 
-`ChunkService` is the part both transports share: what may be served, the upload slots and the
-upload limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
+`ChunkService` is the part both transports share: what may be served, the budgets, the upload
+limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
 
 Only what the store holds is served, and the store only holds verified bytes. A chunk of the
 version this peer is still fetching is served as soon as it is verified: with `wait`, the request
 is held (at most `chunk_server.wait_s`) until it arrives, which is what pipelines the broadcast.
-Requests carry no body, header sizes are aiohttp's bounded defaults, at most `max_connections`
-requests are in flight and at most `upload_slots` chunk bodies are streamed at once (chunk bodies
-are streamed inside the handler, not handed to sendfile after it returns); the rest get 503 so a
-flood cannot starve the daemon. Every chunk byte (and, over libp2p, every manifest and plan
-byte) passes the daemon's upload limiter; small JSON answers over HTTP do not.
+Only the version whose signed manifest this peer verified is waited for; a wait for any other
+version is answered at once.
+
+A flood must not starve the daemon, so capacity is split into budgets (`Budget`), each capped for
+all clients together and per client (IP address over HTTP, peer id over libp2p):
+
+    connections  open HTTP connections; libp2p: requests being answered ("streams")
+    control      manifests, plans, /v1/head, /v1/info: a reserve chunk traffic cannot take
+    waiting      chunk requests held for a chunk of the version in flight
+    uploads      chunk bodies being streamed (after any wait: a held request holds no upload slot)
+
+Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`
+(`chunk_server.retry_after_s`), counted in `stats` by reason. Requests carry no body, header sizes
+are aiohttp's bounded defaults, a connection must send its request head within
+`chunk_server.idle_timeout_s`, and chunk bodies are streamed inside the handler, so every transfer
+is inside its budget and `request_timeout_s`. Every chunk byte (and, over libp2p, every manifest and
+plan byte) passes the daemon's upload limiter; small JSON answers over HTTP do not.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from aiohttp import web
@@ -43,13 +56,86 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
 
+# What a refusal says, by budget: (server-wide, per client).
+_TEXTS = {
+    "connections": ("busy: too many connections", "too many connections from this client"),
+    "streams": ("busy: too many requests", "too many requests from this peer"),
+    "control": ("busy: too many requests", "too many requests from this client"),
+    "waiting": ("busy: too many held requests", "too many held requests from this client"),
+    "uploads": ("upload slots full", "too many chunk transfers to this client"),
+}
 
-class Busy(Exception):
-    """Every upload slot is taken: the requester should try another holder."""
+
+class Refused(Exception):
+    """A budget is full: 429 when the client's own share is, 503 when the whole server's is."""
+
+    status = 503
+
+    def __init__(self, budget: str):
+        self.budget = budget
+        per_client = self.status == 429
+        self.reason = f"{budget}_per_client" if per_client else budget  # the stats key is refused_<reason>
+        self.text = _TEXTS[budget][per_client]
+        super().__init__(self.text)
+
+
+class Busy(Refused):
+    """The server-wide budget is full (503): the requester should try another holder."""
+
+
+class TooMany(Refused):
+    """This client holds its whole share of a budget (429)."""
+
+    status = 429
+
+
+class Budget:
+    """Concurrent holders of one kind of work: at most `total` in all and `per_client` per client.
+
+    >>> uploads = Budget("uploads", 16, 8, stats)
+    >>> with uploads.hold("ip:203.0.113.5"):   # TooMany past 8 for that client, Busy past 16 in all
+    ...     await send_chunk()
+
+    `stats` gets the gauge `open_<name>`; refusals are counted by `ChunkService.count`.
+    """
+
+    def __init__(self, name: str, total: int, per_client: int, stats: Counter[str]):
+        self.name = name
+        self.total = total
+        self.per_client = per_client
+        self.used = 0
+        self.by_client: Counter[str] = Counter()
+        self._stats = stats
+
+    def refusal(self, client: str | None) -> Refused | None:
+        """What `acquire` would refuse with now, or None. A client of None has no per-client cap."""
+        if client is not None and self.by_client[client] >= self.per_client:
+            return TooMany(self.name)
+        if self.used >= self.total:
+            return Busy(self.name)
+        return None
+
+    def acquire(self, client: str | None) -> Refused | None:
+        """Take one unit for `client`; the refusal, untaken, if a cap is reached."""
+        refusal = self.refusal(client)
+        if refusal is None:
+            self.used += 1
+            if client is not None:
+                self.by_client[client] += 1
+            self._stats[f"open_{self.name}"] = self.used
+        return refusal
+
+    def release(self, client: str | None) -> None:
+        self.used -= 1
+        if client is not None:
+            self.by_client[client] -= 1
+            if self.by_client[client] <= 0:
+                del self.by_client[client]
+        self._stats[f"open_{self.name}"] = self.used
 
 
 class ChunkService:
-    """What this peer can serve, and the pacing of what it uploads. Shared by HTTP and libp2p."""
+    """What this peer can serve, its budgets, and the pacing of what it uploads. Shared by HTTP and libp2p."""
 
     def __init__(
         self,
@@ -67,7 +153,29 @@ class ChunkService:
         self.inflight = inflight
         self.plan = plan
         self.stats: Counter[str] = Counter()
-        self._uploads = 0
+        c, stats = config, self.stats
+        self.connections = Budget("connections", c.max_connections, c.max_connections_per_client, stats)
+        self.streams = Budget("streams", c.max_connections, c.max_connections_per_client, stats)
+        self.control = Budget("control", c.control_slots, c.control_slots_per_client, stats)
+        self.waiting = Budget("waiting", c.max_waiting, c.max_waiting_per_client, stats)
+        self.uploads = Budget("uploads", c.upload_slots, c.upload_slots_per_client, stats)
+
+    def count(self, refusal: Refused) -> None:
+        """Count a refusal answered: by reason, and in `refused_busy` (503) or `refused_per_client` (429)."""
+        self.stats[f"refused_{refusal.reason}"] += 1
+        self.stats["refused_per_client" if refusal.status == 429 else "refused_busy"] += 1
+
+    @contextlib.contextmanager
+    def hold(self, budget: Budget, client: str | None) -> Iterator[None]:
+        """One unit of `budget` for `client` for the block; raises the counted refusal if it is full."""
+        refusal = budget.acquire(client)
+        if refusal is not None:
+            self.count(refusal)
+            raise refusal
+        try:
+            yield
+        finally:
+            budget.release(client)
 
     def manifest(self, version: int) -> bytes | None:
         data = self.versions.manifest_bytes(version)
@@ -77,28 +185,41 @@ class ChunkService:
             self.stats["manifests_served"] += 1
         return data
 
-    async def open_chunk(self, sha256: str, wait: float = 0.0, version: int | None = None) -> BinaryIO | None:
-        """The stored chunk, opened; waits up to `wait` s if it is being fetched. None: not held."""
+    def _may_wait(self, sha256: str, version: int | None) -> bool:
+        """Whether a request may be held for `sha256`: only for the signed version in flight."""
+        inflight = self.inflight
+        assert inflight is not None
+        if version is not None and not inflight.signed(version) and not self.versions.installed(version):
+            # Named by the requester only: this peer has not seen it signed. Answer now, and if the
+            # requester has seen a newer head than ours, have our follower look (rate-limited).
+            self.stats["wait_unseen"] += 1
+            if version > max(inflight.version or 0, self.versions.latest() or 0):
+                inflight.nudge()
+            return False
+        return inflight.expects(sha256)
+
+    async def open_chunk(
+        self, sha256: str, wait: float = 0.0, version: int | None = None, client: str | None = None
+    ) -> BinaryIO | None:
+        """The stored chunk, opened; None: not held.
+
+        With `wait` > 0, a chunk of the version this peer is fetching (and whose manifest it
+        verified) is waited for up to `wait` s, holding one `waiting` unit of `client`: raises the
+        refusal (TooMany, Busy) when that budget is full.
+        """
         wait = min(max(0.0, wait), self.config.wait_s)
-        if not self.chunks.has(sha256) and wait > 0 and self.inflight is not None:
-            self.stats["waited"] += 1
-            await self.inflight.wait(sha256, wait, newer_than=self.versions.latest(), version=version)
+        if not self.chunks.has(sha256) and wait > 0 and self.inflight is not None and self._may_wait(sha256, version):
+            with self.hold(self.waiting, client):
+                self.stats["waited"] += 1
+                await self.inflight.wait(sha256, wait)
         try:
             return open(self.chunks.path(sha256), "rb")
         except FileNotFoundError:
             return None
 
-    @contextlib.contextmanager
-    def upload_slot(self) -> Iterator[None]:
-        """Hold one of the `upload_slots` for a transfer; Busy when all are taken."""
-        if self._uploads >= self.config.upload_slots:
-            self.stats["refused_busy"] += 1
-            raise Busy()
-        self._uploads += 1
-        try:
-            yield
-        finally:
-            self._uploads -= 1
+    def upload_slot(self, client: str | None = None) -> contextlib.AbstractContextManager[None]:
+        """Hold one of the `upload_slots` (and of the client's share) for a transfer: Busy or TooMany when full."""
+        return self.hold(self.uploads, client)
 
     async def upload(
         self, f: BinaryIO, write: Callable[[bytes], Awaitable[Any]],
@@ -129,12 +250,25 @@ class ChunkService:
         return sent
 
 
+@dataclass
+class _Connection:
+    client: str
+    refusal: Refused | None  # past a connection cap: answered once, then closed
+    dropped: bool = False  # past twice a cap: closed at accept, never answered
+
+
 class ChunkServer:
     """Serve a ChunkService over HTTP.
 
     >>> server = ChunkServer(service, info=lambda: {"peer_id": "12D3..."})
     >>> port = await server.start()        # e.g. 40123
     >>> await server.stop()
+
+    Clients are told apart by IP address (`ip:<address>`). Every open connection is tracked from
+    accept to close (`open_connections` in the stats): within the `connections` budget it serves
+    any number of requests; past a cap it is answered once (chunk requests with the refusal, other
+    requests from the control budget) and closed; past twice a cap it is closed at accept
+    (`dropped_connections`).
     """
 
     def __init__(
@@ -148,7 +282,8 @@ class ChunkServer:
         self.info = info
         self.head = head
         self.stats = service.stats
-        self._in_flight = 0
+        self._connections: dict[object, _Connection] = {}  # aiohttp's RequestHandler -> its client and standing
+        self._per_client: Counter[str] = Counter()  # open connections by client, budget or not
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -159,26 +294,83 @@ class ChunkServer:
         app.router.add_get("/v1/head", self._head, allow_head=False)
         app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
         app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
-        app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False)
+        app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False, name="chunk")
         return app
+
+    # -- connections ---------------------------------------------------------------------------
+    def _connection_made(self, handler: object, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        client = f"ip:{peer[0]}" if isinstance(peer, tuple) and peer else "ip:?"
+        self._per_client[client] += 1
+        budget = self.service.connections
+        if len(self._connections) >= 2 * budget.total or self._per_client[client] > 2 * budget.per_client:
+            self._connections[handler] = _Connection(client, None, dropped=True)
+            self.stats["dropped_connections"] += 1
+            transport.abort()  # aiohttp still reports the loss, which forgets it
+        else:
+            self._connections[handler] = _Connection(client, budget.acquire(client))
+        self.stats["open_connections"] = len(self._connections)
+
+    def _connection_lost(self, handler: object) -> None:
+        conn = self._connections.pop(handler, None)
+        if conn is None:
+            return
+        self._per_client[conn.client] -= 1
+        if self._per_client[conn.client] <= 0:
+            del self._per_client[conn.client]
+        if conn.refusal is None and not conn.dropped:
+            self.service.connections.release(conn.client)
+        self.stats["open_connections"] = len(self._connections)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _client(self, request: web.Request) -> str:
+        conn = self._connections.get(request.protocol)
+        return conn.client if conn is not None else "ip:?"
+
+    def _refusal(self, refusal: Refused, close: bool) -> web.Response:
+        response = web.Response(status=refusal.status, text=refusal.text,
+                                headers={"Retry-After": str(self.config.retry_after_s)})
+        if close:
+            response.force_close()
+        return response
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.content_length:
             self.stats["refused_body"] += 1
             raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length)
-        if self._in_flight >= self.config.max_connections:
-            self.stats["refused_busy"] += 1
-            raise web.HTTPServiceUnavailable(text="busy")
-        self._in_flight += 1
+        conn = self._connections.get(request.protocol)
+        client = self._client(request)
+        past_cap = conn.refusal if conn is not None else None
+        chunk = request.match_info.route.name == "chunk"
         try:
-            return await asyncio.wait_for(handler(request), self.config.request_timeout_s)
+            if chunk and past_cap is not None:
+                self.service.count(past_cap)
+                return self._refusal(past_cap, close=True)
+            if chunk:
+                return await asyncio.wait_for(handler(request), self.config.request_timeout_s)
+            with self.service.hold(self.service.control, client):
+                return await asyncio.wait_for(self._answer(request, handler, past_cap is not None),
+                                              self.config.request_timeout_s)
+        except Refused as refusal:
+            return self._refusal(refusal, close=past_cap is not None)
         except web.HTTPException as e:
             if e.status >= 400:
                 self.stats[f"refused_{e.status}"] += 1
+            if past_cap is not None:
+                e.force_close()
             raise
-        finally:
-            self._in_flight -= 1
+
+    @staticmethod
+    async def _answer(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      close: bool) -> web.StreamResponse:
+        """A control answer, written whole inside its budget and timeout (a slow reader holds the slot, not more)."""
+        response = await handler(request)
+        if close:
+            response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        return response
 
     async def _info(self, request: web.Request) -> web.Response:
         body = {"software": __version__, "versions": self.service.versions.versions(), **self.info()}
@@ -222,32 +414,46 @@ class ChunkServer:
                 version = self._version(request.query["v"])
         except ValueError:
             raise web.HTTPBadRequest(text="wait must be seconds, v a version") from None
-        f = await self.service.open_chunk(sha, wait, version)
+        client = self._client(request)
+        f = await self.service.open_chunk(sha, wait, version, client)  # Refused: answered by _guard
         if f is None:
             raise web.HTTPNotFound(text="chunk not held")
         with f:
             size = os.fstat(f.fileno()).st_size
-            try:
-                with self.service.upload_slot():
-                    response = web.StreamResponse(
-                        headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
-                    )
-                    response.content_length = size
-                    await response.prepare(request)
-                    await self.service.upload(f, response.write, sendfile=_sendfile_to(request))
-                    await response.write_eof()
-            except Busy:
-                raise web.HTTPServiceUnavailable(text="upload slots full") from None
+            with self.service.upload_slot(client):
+                response = web.StreamResponse(
+                    headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
+                )
+                response.content_length = size
+                await response.prepare(request)
+                await self.service.upload(f, response.write, sendfile=_sendfile_to(request))
+                await response.write_eof()
         return response
 
     async def start(self) -> int:
-        self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=self.config.idle_timeout_s)
         await self._runner.setup()
+        server = self._runner.server
+        assert server is not None
+        # aiohttp's Server hears of every connection its handlers accept and lose; so do we.
+        made, lost = server.connection_made, server.connection_lost
+
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            self._connection_made(handler, transport)
+
+        def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+            lost(handler, exc)
+            self._connection_lost(handler)
+
+        server.connection_made = connection_made  # type: ignore[method-assign]
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
         site = web.TCPSite(self._runner, self.config.host, self.config.port, backlog=128)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets  # type: ignore[union-attr]
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        listener = site._server
+        assert listener is not None and listener.sockets  # type: ignore[union-attr]
+        self.port = listener.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("chunk server listening on %s:%d", self.config.host, self.port)
         return self.port
 
