@@ -93,10 +93,11 @@ class Budget:
     """Concurrent holders of one kind of work: at most `total` in all and `per_client` per client.
 
     >>> uploads = Budget("uploads", 16, 8, stats)
-    >>> with uploads.hold("ip:203.0.113.5"):   # TooMany past 8 for that client, Busy past 16 in all
-    ...     await send_chunk()
+    >>> uploads.acquire("ip:203.0.113.5")   # None: taken; TooMany past 8 for that client, Busy past 16 in all
+    >>> uploads.release("ip:203.0.113.5")
 
-    `stats` gets the gauge `open_<name>`; refusals are counted by `ChunkService.count`.
+    `stats` gets the gauge `open_<name>`. `ChunkService.hold` takes a unit for a block and raises
+    the refusal, counted by `ChunkService.count`.
     """
 
     def __init__(self, name: str, total: int, per_client: int, stats: Counter[str]):
