@@ -8,7 +8,6 @@ from typing import Any
 
 import click
 
-ROLES = ("learner", "rollout", "relay", "bootstrap")
 WARMUP_STEPS = 3000  # a cap: on 2 cores ~45 s; the target below usually stops it within 700-1100
 WARMUP_ACCURACY = 0.3  # GRPO learns fastest where groups mix right and wrong answers
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from echo2swarm.cli._common import ROLES, fail, split_addrs
+from echo2swarm.cli._common import fail, split_addrs
+from echo2swarm.config.flags import ROLES
 from echo2swarm.rollout.engines.base import ENGINE_KINDS
 
 
@@ -59,53 +60,20 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     Rollout:     echo2swarm daemon --role rollout --price 0.3 --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3...
     Learner:     scripts/launch_learner.sh daemon/learner.toml
     """
+    from echo2swarm.config.flags import FlagError, overrides_from_flags
     from echo2swarm.config.loading import ConfigError, dump_config, load_config
 
-    overrides = {
-        "price": flags["price"],
-        "state_dir": flags["state_dir"],
-        "log_level": log_level.upper() if log_level else None,
-        "overlay.swarm": flags["swarm"],
-        "overlay.initial_peers": split_addrs(initial_peers),
-        "overlay.new_swarm": flags["new_swarm"],
-        "overlay.host_maddrs": split_addrs(host_maddrs),
-        "overlay.announce_maddrs": split_addrs(announce_maddrs),
-        "overlay.identity": flags["identity"],
-        "overlay.client_mode": flags["client_mode"],
-        "overlay.use_relay": flags["use_relay"],
-        "overlay.use_auto_relay": flags["use_auto_relay"],
-        "overlay.record_ttl_s": flags["record_ttl"],
-        "overlay.announce_period_s": flags["announce_period"],
-        "overlay.bootstrap_timeout_s": flags["bootstrap_timeout"],
-        "upload_limit": flags["upload_limit"],
-        "chunk_server.enabled": flags["chunk_server"],
-        "chunk_server.host": flags["chunk_host"],
-        "chunk_server.port": flags["chunk_port"],
-        "chunk_server.public_url": flags["chunk_url"],
-    }
-    role_flags = {
-        "trust": ("trust", ("rollout", "relay")),
-        "engine": ("engine.type", ("rollout",)),
-        "device": ({"learner": "train.device", "rollout": "engine.device"}, ("learner", "rollout")),
-        "peer_assist": ("fetch.peer_assist", ("rollout", "relay")),
-        "model": ("publish.model", ("learner",)),
-        "policy_key": ("publish.policy_key", ("learner",)),
-        "chunk_size": ("publish.chunk_size", ("learner",)),
-    }
+    flags.update(initial_peers=split_addrs(initial_peers), host_maddrs=split_addrs(host_maddrs),
+                 announce_maddrs=split_addrs(announce_maddrs), log_level=log_level.upper() if log_level else None)
     try:
         effective_role = role
         if effective_role is None and config_path is not None:
             from echo2swarm.config.loading import read_toml
 
             effective_role = read_toml(config_path).get("role")
-        for flag, (dotted, roles) in role_flags.items():
-            if flags[flag] is not None:
-                if effective_role not in roles:
-                    fail(f"--{flag.replace('_', '-')} only applies to --role {'/'.join(roles)}")
-                # A flag meaning the same thing on several roles maps to each role's own field.
-                overrides[dotted if isinstance(dotted, str) else dotted[effective_role]] = flags[flag]
+        overrides = overrides_from_flags(flags, effective_role)
         config = load_config(role, config_path, overrides=overrides)
-    except ConfigError as e:
+    except (ConfigError, FlagError) as e:
         fail(str(e))
     if print_config:
         click.echo(dump_config(config))

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from echo2swarm.cli._common import fail, split_addrs
+from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 
 _MU_KEYS = ("rollouts_per_s", "mu")
 _ID_KEYS = ("peer_id", "name", "id")
@@ -113,9 +114,11 @@ def render(report: Any) -> str:
               help="T_bcast: seconds until a new version reaches the active peers. Default 0 (live: measured).")
 @click.option("--l-gen", type=float, metavar="SECONDS",
               help="L_gen: seconds one lease of groups takes to generate. Default 0 (live: measured).")
-@click.option("--staleness", type=int, metavar="S", help="S: how many versions old a rollout may be. Default 1.")
-@click.option("--publish-every", type=int, metavar="KAPPA", help="kappa: steps between published versions. Default 1.")
-@click.option("--gamma", type=float, help="Margin over the bare throughput floor. Default 1.1.")
+@click.option("--staleness", type=int, metavar="S",
+              help=f"S: how many versions old a rollout may be. Default {DEFAULT_STALENESS}.")
+@click.option("--publish-every", type=int, metavar="KAPPA",
+              help=f"kappa: steps between published versions. Default {DEFAULT_PUBLISH_EVERY}.")
+@click.option("--gamma", type=float, help=f"Margin over the bare throughput floor. Default {DEFAULT_GAMMA}.")
 @click.option("--sequential", is_flag=True,
               help="Peers generate only after a version fully arrived (ECHO-2's form) instead of double-buffering.")
 @click.option("--workers", "workers_path", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
@@ -163,15 +166,15 @@ def plan(rollouts_per_step, t_train, t_bcast, l_gen, staleness, publish_every, g
             fail(f"planning from --workers needs {' and '.join(missing)}")
     values.setdefault("t_bcast", 0.0)
     values.setdefault("l_gen", 0.0)
-    values.setdefault("staleness", 1)
-    values.setdefault("publish_every", 1)
-    values.setdefault("gamma", 1.1)
+    values.setdefault("staleness", DEFAULT_STALENESS)
+    values.setdefault("publish_every", DEFAULT_PUBLISH_EVERY)
+    values.setdefault("gamma", DEFAULT_GAMMA)
     from echo2swarm.control.capacity import CapacityInputs
     from echo2swarm.control.planner import make_plan
 
-    if values["staleness"] < values["publish_every"] - 1:
-        fail(f"--staleness {values['staleness']} is below --publish-every minus 1 ({values['publish_every'] - 1}): "
-             "rollouts could never train; raise --staleness or lower --publish-every")
+    problem = staleness_problem(values["staleness"], values["publish_every"])
+    if problem is not None:
+        fail(f"{problem} (--staleness, --publish-every)")
     try:
         inputs = CapacityInputs(regime="sequential" if sequential else "overlapped", **values)
         report = make_plan(inputs, workers)

@@ -1,19 +1,9 @@
-"""Typed per-role configuration: pydantic models, TOML loading, env and CLI overrides."""
+"""Typed per-role configuration: pydantic models, TOML loading, env and CLI overrides.
 
-from echo2swarm.config.loading import ConfigError, dump_config, load_config
-from echo2swarm.config.models import (
-    BootstrapConfig,
-    ChunkServerConfig,
-    FetchConfig,
-    LearnerConfig,
-    OverlayConfig,
-    PublishConfig,
-    RelayConfig,
-    RolloutConfig,
-    StoreConfig,
-)
+    models.py   one root model per role (LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig)
+    rl.py       the RL loop's sections (train, leases, engine, worker, activation)
+    loading.py  defaults < TOML < ECHO2SWARM_* < flags, errors that name the setting to change
+    flags.py    which daemon flag sets which field (import-light: the CLI reads it for --help)
 
-__all__ = [
-    "BootstrapConfig", "ChunkServerConfig", "ConfigError", "FetchConfig", "LearnerConfig", "OverlayConfig",
-    "PublishConfig", "RelayConfig", "RolloutConfig", "StoreConfig", "dump_config", "load_config",
-]
+Import from the submodules: importing this package stays free of pydantic, so `--help` is instant.
+"""

@@ -12,47 +12,17 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from pydantic import TypeAdapter, ValidationError
 
-from echo2swarm.config.models import ROLES, DaemonConfig
+from echo2swarm.config.flags import FLAG_FOR_FIELD, ROLES
+from echo2swarm.config.models import BootstrapConfig, DaemonConfig, LearnerConfig, RelayConfig, RolloutConfig
 
 ENV_PREFIX = "ECHO2SWARM_"
 # Variables with that prefix that are not config fields: --config's variable, and the echo2swarm
 # executable scripts/launch_learner.sh runs. Any other ECHO2SWARM_* must name a field (typos fail).
 _ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG", "ECHO2SWARM_BIN"}
-
-# Where a user sets each field on the command line, so errors can name the flag to change.
-FLAG_FOR_FIELD = {
-    "price": "--price",
-    "upload_limit": "--upload-limit",
-    "chunk_server.enabled": "--chunk-server/--no-chunk-server",
-    "fetch.peer_assist": "--peer-assist/--no-peer-assist",
-    "state_dir": "--state-dir",
-    "log_level": "--log-level",
-    "trust": "--trust",
-    "overlay.swarm": "--swarm",
-    "overlay.initial_peers": "--initial-peers",
-    "overlay.new_swarm": "--new-swarm",
-    "overlay.host_maddrs": "--host-maddrs",
-    "overlay.announce_maddrs": "--announce-maddrs",
-    "overlay.identity": "--identity",
-    "overlay.client_mode": "--client-mode",
-    "overlay.use_relay": "--use-relay/--no-use-relay",
-    "overlay.use_auto_relay": "--use-auto-relay",
-    "overlay.bootstrap_timeout_s": "--bootstrap-timeout",
-    "overlay.record_ttl_s": "--record-ttl",
-    "overlay.announce_period_s": "--announce-period",
-    "chunk_server.host": "--chunk-host",
-    "chunk_server.port": "--chunk-port",
-    "chunk_server.public_url": "--chunk-url",
-    "publish.model": "--model",
-    "publish.policy_key": "--policy-key",
-    "publish.chunk_size": "--chunk-size",
-    "train.device": "--device",
-    "engine.device": "--device",
-}
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(DaemonConfig)
 
@@ -132,14 +102,35 @@ def format_validation_error(err: ValidationError, role: str) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
+AnyDaemonConfig = LearnerConfig | RolloutConfig | RelayConfig | BootstrapConfig
+
+
+@overload
+def load_config(role: Literal["learner"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> LearnerConfig: ...
+@overload
+def load_config(role: Literal["rollout"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> RolloutConfig: ...
+@overload
+def load_config(role: Literal["relay"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> RelayConfig: ...
+@overload
+def load_config(role: Literal["bootstrap"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> BootstrapConfig: ...
+@overload
+def load_config(role: str | None, config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> AnyDaemonConfig: ...
 def load_config(
     role: str | None,
     config_path: Path | None = None,
     *,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
-) -> Any:
-    """Resolve one daemon's config. `overrides` maps dotted field names to CLI values (None = not given)."""
+) -> AnyDaemonConfig:
+    """Resolve one daemon's config: the role's own model (the `role` field picks it).
+
+    `overrides` maps dotted field names to CLI values (None = not given).
+    """
     tree: dict[str, Any] = read_toml(config_path) if config_path else {}
     tree = _deep_merge(tree, env_overrides(os.environ if environ is None else environ))
     for dotted, value in (overrides or {}).items():
@@ -157,6 +148,6 @@ def load_config(
         raise ConfigError(format_validation_error(e, tree["role"])) from None
 
 
-def dump_config(config: Any) -> str:
+def dump_config(config: AnyDaemonConfig) -> str:
     """The resolved config as JSON, logged at start so a run can be reproduced."""
     return json.dumps(config.model_dump(mode="json"), sort_keys=True)

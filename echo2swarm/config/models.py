@@ -14,11 +14,10 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
-from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, TrainConfig, WorkerConfig
+from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, TrainConfig, VerifyConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
-ROLES: tuple[str, ...] = ("learner", "rollout", "relay", "bootstrap")
 _SWARM_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MiB = 1024 * 1024
 
@@ -276,6 +275,24 @@ class StoreConfig(StrictModel):
                                "garbage-collected unless the rollout engine still reads them.")
 
 
+class SupervisorConfig(StrictModel):
+    """How the daemon restarts its role service and how long it takes to stop."""
+
+    restart_backoff_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds before restarting a crashed role service; doubles with each "
+        "consecutive crash, up to restart_backoff_max_s.",
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="Longest pause between restarts, in seconds.")
+    stop_budget_s: float = Field(
+        4.0, ge=1, le=120, description="Seconds a SIGTERM'd daemon takes at most to say `stopping`, close its "
+        "servers and stop the DHT node and p2pd (systemd's stop timeout should exceed it): a quarter for the role's "
+        "tasks to end, a quarter to close the chunk server, the rest for the DHT node and p2pd.",
+    )
+    stopping_card_timeout_s: float = Field(
+        0.5, gt=0, le=30, description="Seconds spent storing the `stopping` card on the way out (part of the budget).",
+    )
+
+
 class PublishConfig(StrictModel):
     """What the learner publishes as signed policy versions."""
 
@@ -286,6 +303,11 @@ class PublishConfig(StrictModel):
         2, ge=1, le=16,
         description="Peers the learner uploads each version to first (stripes of the broadcast plan); "
         "the rest flows peer to peer along chains.",
+    )
+    cards_refresh_s: float | None = Field(
+        None, gt=0, le=60, description="Seconds between the learner's reads of the peer cards while a version "
+        "spreads: what T_bcast is measured with and the next plan is drawn from. None: half the overlay's "
+        "announce period, at most 2 s.",
     )
 
     @field_validator("chunk_size", mode="before")
@@ -308,6 +330,7 @@ class _DaemonBase(StrictModel):
     )
     overlay: OverlayConfig = Field(default_factory=OverlayConfig)
     chunk_server: ChunkServerConfig = Field(default_factory=ChunkServerConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @field_validator("price")
     @classmethod
@@ -351,6 +374,7 @@ class LearnerConfig(_DaemonBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     leases: LeaseConfig = Field(default_factory=LeaseConfig)
     activation: ActivationConfig = Field(default_factory=ActivationConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
 
     @model_validator(mode="after")
     def _needs_model(self) -> "LearnerConfig":
@@ -359,11 +383,6 @@ class LearnerConfig(_DaemonBase):
         if self.publish.policy_key is None:
             raise ValueError(
                 "the learner needs a policy key: create one with `echo2swarm keygen KEY` and pass --policy-key KEY"
-            )
-        if self.train.staleness < self.train.publish_every - 1:
-            raise ValueError(
-                f"train.staleness={self.train.staleness} is below publish_every-1={self.train.publish_every - 1}: "
-                "rollouts would always be too stale to train on; raise staleness or lower publish_every"
             )
         return self
 

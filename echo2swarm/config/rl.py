@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from echo2swarm.runtime.devices import check_device_name
+from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
+from echo2swarm.runtime.devices import check_cpus, check_device_name
 
 # Checked for spelling here (no torch import); whether the CUDA device exists is checked at
 # daemon preflight and again when the trainer or engine is built.
@@ -28,8 +29,10 @@ class TrainConfig(_Section):
     reward_target: float | None = Field(
         None, description="Stop early once the mean reward of the last 10 steps reaches this. None: run all steps."
     )
-    staleness: int = Field(1, ge=0, description="S: rollouts of version x may train step t only if t - x <= S. 0 = on-policy.")
-    publish_every: int = Field(1, ge=1, description="kappa: publish a new policy version every this many steps.")
+    staleness: int = Field(
+        DEFAULT_STALENESS, ge=0, description="S: rollouts of version x may train step t only if t - x <= S. 0 = on-policy."
+    )
+    publish_every: int = Field(DEFAULT_PUBLISH_EVERY, ge=1, description="kappa: publish a new policy version every this many steps.")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="Groups (prompts) per step.")
     group_size: int = Field(8, ge=2, le=256, description="G: completions per prompt.")
     max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length limit, in tokens.")
@@ -59,6 +62,13 @@ class TrainConfig(_Section):
     )
 
     @model_validator(mode="after")
+    def _staleness_covers_the_publish_period(self) -> "TrainConfig":
+        problem = staleness_problem(self.staleness, self.publish_every)
+        if problem is not None:
+            raise ValueError(f"train.{problem}")
+        return self
+
+    @model_validator(mode="after")
     def _fits_in_a_message(self) -> "TrainConfig":
         # One group travels in one RPC message (< 4 MiB); a token costs at most ~14 bytes in msgpack.
         if self.group_size * self.max_new_tokens * 14 > 4_000_000:
@@ -78,6 +88,10 @@ class LeaseConfig(_Section):
     max_hold_s: float = Field(
         5.0, ge=0, le=60, description="Longest a peer's lease request is held waiting for work (long polling); "
         "0: answer at once.",
+    )
+    expiry_check_s: float = Field(
+        0.5, gt=0, le=60, description="Seconds between looks for expired leases while the learner waits for a "
+        "batch (an expired lease is re-issued at the next look).",
     )
 
 
@@ -127,8 +141,6 @@ class EngineConfig(_Section):
     @field_validator("cpus")
     @classmethod
     def _cores_exist(cls, cpus: list[int] | None) -> list[int] | None:
-        from echo2swarm.rollout.engines.host import check_cpus
-
         if cpus is not None:
             if len(set(cpus)) != len(cpus) or min(cpus) < 0:
                 raise ValueError(f"engine.cpus must list distinct core numbers >= 0, got {cpus}")
@@ -189,11 +201,11 @@ class WorkerConfig(_Section):
 
 
 class ActivationConfig(_Section):
-    """The learner's closed loop over which rollout peers work (docs/ARCHITECTURE.md §7)."""
+    """The learner's closed loop over which rollout peers work (docs/architecture.md §8)."""
 
     enabled: bool = Field(True, description="Keep only the cheapest peers meeting the throughput floor active; "
                           "off: every peer gets leases.")
-    gamma: float = Field(1.1, ge=1, le=10, description="Margin: active peers must give gamma * R / T_train rollouts/s.")
+    gamma: float = Field(DEFAULT_GAMMA, ge=1, le=10, description="Margin: active peers must give gamma * R / T_train rollouts/s.")
     hysteresis: float = Field(
         0.1, ge=0, lt=1,
         description="Fraction: the active set is kept while it gives >= (1 - hysteresis) of the floor and no plan "
@@ -207,4 +219,54 @@ class ActivationConfig(_Section):
     ewma_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest sample in T_train, T_bcast, L_gen, µ.")
     t_bcast_s: float | None = Field(
         None, ge=0, le=3600, description="T_bcast to plan with, in seconds. None: the learner's measurement (else 0)."
+    )
+
+
+class VerifyConfig(_Section):
+    """The learner's checks of rollout peers' groups against its own policy (learner/verify.py), before
+    they train: implausible behaviour logprobs, logprobs that are not the claimed version's, text the
+    policy would almost never sample. A refused group is dropped from the step and reported."""
+
+    enabled: bool = Field(True, description="Check every group before it trains; off: train on whatever peers send.")
+    sample_fraction: float = Field(
+        0.05, ge=0, le=1, description="Fraction (0-1) of older groups (version < the step's) whose logprobs are "
+        "recomputed under their own version's weights, drawn at random per group. Groups of the step's own version "
+        "are always checked exactly (no extra forward), and suspicious older ones too.",
+    )
+    exact_tolerance: float = Field(
+        1.0, gt=0, description="Nats: largest |claimed - recomputed| logprob of any token under the group's own "
+        "version. Also the per-token bound against the current policy at staleness 0.",
+    )
+    exact_mean_tolerance: float = Field(
+        0.1, gt=0, description="Nats: largest mean |claimed - recomputed| logprob over a group's tokens under its "
+        "own version.",
+    )
+    token_gap_per_version: float = Field(
+        3.0, ge=0, description="Nats per version of staleness added to exact_tolerance: the largest |claimed - "
+        "current policy| logprob of any token of a group k versions old is exact_tolerance + k * this.",
+    )
+    mean_gap_per_version: float = Field(
+        1.0, ge=0, description="Nats per version of staleness added to exact_mean_tolerance: the bound on a "
+        "k-versions-old group's mean |claimed - current policy| logprob.",
+    )
+    suspect_fraction: float = Field(
+        0.25, gt=0, le=1, description="An older group whose gaps to the current policy exceed this fraction (0-1) of "
+        "their bounds is suspicious: it is checked exactly under its own version.",
+    )
+    typicality_z: float | None = Field(
+        12.0, gt=0, description="One-sided z threshold (standard deviations) on sum(surprisal - entropy) under the "
+        "behaviour version's sampling distribution, per sequence and per group: above it the text is far less "
+        "probable than sampling gives and the group is refused. None: no typicality test.",
+    )
+    suspect_steps: int = Field(
+        10, ge=0, description="Steps: after one of a peer's groups is refused, all its older groups are checked "
+        "exactly for this many steps.",
+    )
+    spare_models: int = Field(
+        1, ge=1, le=8, description="Copies of the policy (fp32, on train.device) kept for the exact check of older "
+        "versions, least recently used replaced first.",
+    )
+    seed: int | None = Field(
+        None, ge=0, description="Seeds the choice of sampled groups (tests). None: unpredictable, so a peer cannot "
+        "tell which of its groups will be checked.",
     )

@@ -1,6 +1,6 @@
 """Capacity model: how much rollout throughput keeps the learner busy, and when none can.
 
-Notation (docs/ARCHITECTURE §2, §7): R rollouts per step, T_train learner seconds per step,
+Notation (docs/architecture.md §2, §8): R rollouts per step, T_train learner seconds per step,
 T_bcast seconds until a version reaches the active peers, L_gen one group's generation latency,
 S staleness, κ publish period, M = Σµ of the active set, γ the safety margin.
 
@@ -29,6 +29,20 @@ from typing import Literal
 
 Regime = Literal["overlapped", "sequential"]
 
+# The defaults and the one hard rule of S and κ, used by the config, the learner and `plan` alike.
+DEFAULT_STALENESS = 1       # S
+DEFAULT_PUBLISH_EVERY = 1   # κ
+DEFAULT_GAMMA = 1.1         # margin over the bare throughput floor
+
+
+def staleness_problem(staleness: int, publish_every: int) -> str | None:
+    """Why S and κ cannot work together, or None. A version is published every κ steps, so a rollout
+    is at least κ − 1 versions old by the step that trains it: S below that leaves nothing to train on."""
+    if staleness < publish_every - 1:
+        return (f"staleness S={staleness} is below publish_every-1={publish_every - 1}: rollouts would always be "
+                "too stale to train on; raise staleness or lower publish_every")
+    return None
+
 
 @dataclass(frozen=True)
 class CapacityInputs:
@@ -41,9 +55,9 @@ class CapacityInputs:
     rollouts_per_step: float            # R
     t_train: float                      # seconds of learner compute per step
     t_bcast: float = 0.0                # seconds until a published version reaches the active peers
-    staleness: int = 1                  # S
-    publish_every: int = 1              # κ
-    gamma: float = 1.1                  # margin over the bare floor
+    staleness: int = DEFAULT_STALENESS
+    publish_every: int = DEFAULT_PUBLISH_EVERY
+    gamma: float = DEFAULT_GAMMA
     l_gen: float = 0.0                  # seconds to generate one group (lease) on a peer
     regime: Regime = "overlapped"
 
@@ -58,8 +72,9 @@ class CapacityInputs:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         if self.publish_every < 1:
             raise ValueError(f"publish_every (κ) must be >= 1, got {self.publish_every}")
-        if self.staleness < self.publish_every - 1:
-            raise ValueError(f"staleness (S={self.staleness}) must be >= publish_every - 1 ({self.publish_every - 1})")
+        problem = staleness_problem(self.staleness, self.publish_every)
+        if problem is not None:
+            raise ValueError(problem)
         if self.regime not in ("overlapped", "sequential"):
             raise ValueError(f"regime must be overlapped or sequential, got {self.regime!r}")
 

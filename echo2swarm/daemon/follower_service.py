@@ -12,41 +12,51 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
+from echo2swarm.config.models import RelayConfig, RolloutConfig
+from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.policy.follower import PolicyFollower
-from echo2swarm.wire.signing import load_trusted_key
 from echo2swarm.policy.trust import TrustAnchor
-from echo2swarm.daemon.supervisor import DaemonContext
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import load_trusted_key
 
 logger = get_logger(__name__)
 
 
 class FollowerService:
-    def __init__(self, ctx: DaemonContext):
+    """Rollout and relay peers: follow (fetch, verify, re-serve) every version; rollout peers also work."""
+
+    def __init__(self, config: RolloutConfig | RelayConfig, ctx: DaemonContext):
         self.ctx = ctx
-        config = ctx.config
+        self.config = config
         pinned = load_trusted_key(config.trust) if config.trust else None
         self.trust = TrustAnchor(Path(config.state_dir), pinned)
         if self.trust.key is not None:
             logger.info("trusting learner key %s (%s)", self.trust.key.fingerprint, self.trust.source)
         else:
             logger.warning("no --trust given: the first learner key seen in the swarm will be pinned")
+        self.worker = None
+        weights = None
+        if isinstance(config, RolloutConfig):
+            from echo2swarm.rollout.refit import EngineWeights
+            from echo2swarm.rollout.throughput import Throughput
+
+            throughput = Throughput(config, Path(config.state_dir) / "throughput.json")
+            weights = EngineWeights(config, on_built=throughput.calibrate)
         self.follower = PolicyFollower(
             ctx.overlay, config.fetch, config.store, self.trust, ctx.chunks, ctx.versions, ctx.session,
             on_version=self._on_version, on_state=self._announce_now, inflight=ctx.inflight,
+            in_use=weights.in_use if weights is not None else lambda: (),
         )
-        self.worker = None
-        if config.role == "rollout":
+        if isinstance(config, RolloutConfig):
             from echo2swarm.rollout.worker import RolloutWorker
 
-            self.worker = RolloutWorker(ctx, self.follower)
-            self.follower.in_use = self.worker.weights.in_use
+            self.worker = RolloutWorker(config, self.follower, weights, throughput, ctx.overlay,
+                                        announce=self._announce_now)
 
     def _announce_now(self) -> None:
-        if self.ctx.announcer is not None:
-            self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
+        self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
 
     async def _on_version(self, version: int, path: Path) -> None:
         if self.worker is not None:
@@ -76,17 +86,21 @@ class FollowerService:
     async def announce(self) -> None:
         return None
 
-    def _worker_fields(self) -> dict[str, Any]:
-        if self.worker is None:
-            return {}
-        mu = self.worker.throughput.rollouts_per_s
-        return {"rollouts_per_s": None if mu is None else round(mu, 3), "active": self.worker.active}
+    def head(self) -> HeadRecord | None:
+        return None
 
-    def card_fields(self) -> dict[str, Any]:
-        return {**self._worker_fields(), "version": self.follower.held_version, "state": self.follower.state,
-                "fetching": self.follower.fetching_version, "arrival_s": dict(self.follower.arrival_s)}
+    def signed_plan(self, version: int) -> bytes | None:
+        return None
 
-    def stats(self) -> dict[str, Any]:
+    def card_fields(self) -> CardFields:
+        mu = self.worker.throughput.rollouts_per_s if self.worker is not None else None
+        return CardFields(
+            version=self.follower.held_version, state=self.follower.state, fetching=self.follower.fetching_version,
+            arrival_s=dict(self.follower.arrival_s), rollouts_per_s=None if mu is None else round(mu, 3),
+            active=self.worker.active if self.worker is not None else None,
+        )
+
+    def stats(self) -> Stats:
         worker = {}
         if self.worker is not None:
             weights, engine = self.worker.weights, self.worker.weights.engine

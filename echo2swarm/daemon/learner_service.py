@@ -22,38 +22,36 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
+from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
 from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
-from echo2swarm.wire.work import GroupSubmission, LeaseRequest
 from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
-from echo2swarm.wire.records import HeadRecord
-from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import collect_garbage
-from echo2swarm.daemon.supervisor import DaemonContext
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.signing import PolicyKey
+from echo2swarm.wire.work import GroupSubmission, LeaseRequest
 
 logger = get_logger(__name__)
 
 
 class LearnerService:
-    def __init__(self, ctx: DaemonContext):
+    def __init__(self, config: LearnerConfig, ctx: DaemonContext):
         self.ctx = ctx
-        self.config: LearnerConfig = ctx.config
-        self.train = self.config.train
+        self.config = config
+        self.train = config.train
         self.key = PolicyKey.load(self.config.publish.policy_key)  # type: ignore[arg-type]
         self.publisher = Publisher(
             self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id
         )
-        self.broadcast = BroadcastTracker(
-            ctx.overlay, self.key, self.config.publish.seeds, refresh_s=min(2.0, self.config.overlay.announce_period_s / 2)
-        )
-        ctx.service.plan = self.broadcast.get_plan
+        refresh_s = config.publish.cards_refresh_s or min(2.0, config.overlay.announce_period_s / 2)
+        self.broadcast = BroadcastTracker(ctx.overlay, self.key, config.publish.seeds, refresh_s=refresh_s)
         self.run_dir = Path(self.train.run_dir or Path(self.config.state_dir) / "run")
         self.published: PublishedVersion | None = None
         self.state = "starting"
@@ -65,11 +63,8 @@ class LearnerService:
         self.recent_rewards: deque[float] = deque(maxlen=10)
         self.extra_files: dict[str, Path | bytes] = {}  # config and tokenizer files published with each version
         self.wait_s = self.busy_s = 0.0
-        # Cost-aware activation (ARCHITECTURE §7); T_bcast from the broadcast tracker once it measures one.
-        self.activation = LearnerActivation(
-            self.config.activation, self.train,
-            t_bcast=lambda: getattr(getattr(self, "broadcast", None), "t_bcast_s", None),
-        )
+        # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
+        self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
 
     # -- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,12 +98,8 @@ class LearnerService:
             encode=self.trainer.encode_prompt, decode=self.trainer.decode,
             limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, self.trainer.vocab_size,
                                self.trainer.eos_token_ids),
-            version=self.version, cursor=cursor, requeue=requeue,
+            version=self.version, cursor=cursor, requeue=requeue, gate=self.activation, head_json=self._head_json(),
         )
-        self.intake.head_json = self._head_json()
-        self.intake.gate = self.activation.gate
-        self.intake.on_delivery = self.activation.on_delivery
-        self.intake.standby_retry_s = self.config.activation.standby_retry_s
         p2p, swarm = self.ctx.overlay.p2p, self.config.overlay.swarm
         await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
         await serve_client_stream(p2p, rpc_name(swarm, "submit"), self.intake.rpc_submit, GroupSubmission)
@@ -125,20 +116,17 @@ class LearnerService:
         keep = max(self.config.store.keep_versions, self.train.staleness + 4)
         await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks, keep)
         if self.intake is not None:
-            self.intake.published_version = self.version
-            self.intake.head_json = self._head_json()
-            self.intake.work_freed()  # peers held for want of this version can have work now
-        if self.ctx.announcer is not None:
-            self.ctx.announcer.trigger()
+            self.intake.published(self.version, self._head_json())
+        self.ctx.announcer.trigger()
         return time.perf_counter() - started
 
-    def current_head(self) -> HeadRecord | None:
+    def head(self) -> HeadRecord | None:
         if self.published is None:
             return None
         return self.publisher.sign_head(self.published, self.config.overlay.record_ttl_s)
 
     def _head_json(self) -> str | None:
-        head = self.current_head()
+        head = self.head()
         return head.model_dump_json() if head else None
 
     # -- training loop -------------------------------------------------------------------------
@@ -168,7 +156,7 @@ class LearnerService:
             if time.monotonic() - last_check > self.config.overlay.announce_period_s:
                 last_check = time.monotonic()
                 await self._revoke_departed()
-            await wait_any(self.intake.wake, stop, timeout=0.5)
+            await wait_any(self.intake.wake, stop, timeout=self.config.leases.expiry_check_s)
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -192,8 +180,7 @@ class LearnerService:
             groups = intake.buffer.take(self.version, train.prompts_per_step)
             # From here on the intake serves the next step: its slot is the one new work can still fill,
             # and a group too old for it is refused now rather than buffered only to go stale.
-            intake.version = self.version + 1
-            intake.work_freed()  # the batch left the buffer: held lease requests can be answered
+            intake.advance(self.version + 1)  # the batch left the buffer: held lease requests can be answered
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
             self.steps_done += 1
             trained_version = self.version
@@ -244,24 +231,26 @@ class LearnerService:
 
     async def _finish(self) -> None:
         assert self.intake is not None
-        self.intake.done = True
-        self.intake.work_freed()
+        self.intake.finish()
         await self._checkpoint()
         final = await asyncio.to_thread(self.trainer.save_model_dir, self.run_dir / "final")
         logger.info("training finished after %d steps; final model at %s", self.steps_done, final)
 
     # -- daemon hooks --------------------------------------------------------------------------
     async def announce(self) -> None:
-        head = self.current_head()
+        head = self.head()
         if head is not None and not await self.ctx.overlay.store_head(head):
             logger.warning("no DHT peer accepted the head record for v%d", head.version)
 
-    def card_fields(self) -> dict[str, Any]:
-        t_bcast = self.broadcast.t_bcast_s
-        return {"version": self.published.version if self.published else None, "state": self.state,
-                "t_bcast_s": None if t_bcast is None else round(t_bcast, 3)}
+    def signed_plan(self, version: int) -> bytes | None:
+        return self.broadcast.get_plan(version)
 
-    def stats(self) -> dict[str, Any]:
+    def card_fields(self) -> CardFields:
+        t_bcast = self.broadcast.t_bcast_s
+        return CardFields(version=self.published.version if self.published else None, state=self.state,
+                          t_bcast_s=None if t_bcast is None else round(t_bcast, 3))
+
+    def stats(self) -> Stats:
         out: dict[str, Any] = {"published_version": self.published.version if self.published else None,
                                "steps_done": self.steps_done, "t_bcast_s": _round(self.broadcast.t_bcast_s),
                                "t_bcast": {str(v): round(t, 3) for v, t in self.broadcast.t_bcast.items()}}

@@ -1,6 +1,6 @@
 """The daemon every participant runs; the role only changes which service sits in the middle.
 
-    start: overlay (DHT + p2pd) ─► chunk server ─► role service ─► announcer ─► daemon.json
+    start: overlay (DHT + p2pd) ─► stores, announcer ─► role service ─► chunk server ─► daemon.json
     run:   supervise the role service (restart with back-off if it crashes) and the announcer
     stop:  SIGTERM/SIGINT ─► role service, announce `stopping`, chunk server, DHT node, p2pd
 
@@ -18,84 +18,39 @@ import json
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
 from echo2swarm import __version__
-from echo2swarm.config.loading import dump_config
+from echo2swarm.config.loading import AnyDaemonConfig, dump_config
+from echo2swarm.config.models import LearnerConfig, RelayConfig, RolloutConfig
+from echo2swarm.daemon.context import BootstrapService, DaemonContext, RoleService
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
-from echo2swarm.wire.records import Arrival, PeerCard
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.runtime.aio import backoff_s
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.records import Arrival, PeerCard
 
 logger = get_logger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
-STOP_BUDGET_S = 4.0
 
 
-@dataclass
-class DaemonContext:
-    """What every role service gets: the shared parts of one daemon."""
-
-    config: Any
-    overlay: Overlay
-    chunks: ChunkStore
-    versions: VersionStore
-    session: aiohttp.ClientSession
-    service: ChunkService  # what this peer serves (HTTP and libp2p) and its upload limit
-    inflight: InFlight = field(default_factory=InFlight)  # the version being fetched, re-served as it arrives
-    announcer: Announcer | None = None
-    extra_stats: dict[str, Any] = field(default_factory=dict)
-
-
-class RoleService(Protocol):
-    async def start(self) -> None: ...
-
-    async def run(self, stop: asyncio.Event) -> None: ...
-
-    async def announce(self) -> None: ...
-
-    def card_fields(self) -> dict[str, Any]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-class BootstrapService:
-    """Keeps the DHT reachable; holds no policy."""
-
-    async def start(self) -> None:
-        return None
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await stop.wait()
-
-    async def announce(self) -> None:
-        return None
-
-    def card_fields(self) -> dict[str, Any]:
-        return {"version": None, "state": "ready"}
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-
-def _make_service(ctx: DaemonContext) -> RoleService:
-    role = ctx.config.role
-    if role == "learner":
+def make_service(config: AnyDaemonConfig, ctx: DaemonContext) -> RoleService:
+    """The role's service, built from its own typed config (heavy imports only for the role that needs them)."""
+    if isinstance(config, LearnerConfig):
         from echo2swarm.daemon.learner_service import LearnerService
 
-        return LearnerService(ctx)
-    if role in ("rollout", "relay"):
+        return LearnerService(config, ctx)
+    if isinstance(config, (RolloutConfig, RelayConfig)):
         from echo2swarm.daemon.follower_service import FollowerService
 
-        return FollowerService(ctx)
+        return FollowerService(config, ctx)
     return BootstrapService()
 
 
@@ -116,7 +71,7 @@ def _pick_host(maddrs: list[str]) -> str:
 
 
 class Daemon:
-    def __init__(self, config: Any):
+    def __init__(self, config: AnyDaemonConfig):
         self.config = config
         self.stop_event = asyncio.Event()
         self.started_at = time.time()
@@ -124,29 +79,30 @@ class Daemon:
         self.server: ChunkServer | None = None
         self.ctx: DaemonContext | None = None
         self.service: RoleService | None = None
+        self.chunk_service: ChunkService | None = None
         self.maddrs: list[str] = []
 
     # -- records -------------------------------------------------------------------------------
     def card(self, state: str | None = None) -> PeerCard:
         assert self.ctx is not None and self.service is not None
         fields = self.service.card_fields()
-        arrivals = sorted(fields.get("arrival_s", {}).items())[-8:]
+        arrivals = sorted(fields.arrival_s.items())[-8:]
         return PeerCard(
             peer_id=self.ctx.overlay.peer_id,
             role=self.config.role,
             price=self.config.price,
-            version=fields.get("version"),
-            state=state or fields.get("state", "ready"),
+            version=fields.version,
+            state=state or fields.state,
             software=__version__,
             maddrs=self.maddrs[:8],
             chunk_url=self.chunk_url,
             upload_bps=self.config.upload_limit,
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
-            fetching=fields.get("fetching"),
+            fetching=fields.fetching,
             arrivals=[Arrival(version=v, seconds=round(t, 3)) for v, t in arrivals],
-            t_bcast_s=fields.get("t_bcast_s"),
-            rollouts_per_s=fields.get("rollouts_per_s"),
-            active=fields.get("active"),
+            t_bcast_s=fields.t_bcast_s,
+            rollouts_per_s=fields.rollouts_per_s,
+            active=fields.active,
             updated_ms=int(time.time() * 1000),
         )
 
@@ -160,21 +116,20 @@ class Daemon:
         """Served at GET /v1/info; also what `stats` tools read."""
         assert self.ctx is not None and self.service is not None
         stats = dict(self.service.stats())
-        if self.config.role != "bootstrap":
-            stats["server"] = dict(self.ctx.service.stats)
+        if self.chunk_service is not None:
+            stats["server"] = dict(self.chunk_service.stats)
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         return {
             "peer_id": self.ctx.overlay.peer_id,
             "role": self.config.role,
             "swarm": self.config.overlay.swarm,
             "uptime_s": round(time.time() - self.started_at, 1),
-            **self.service.card_fields(),
+            **self.service.card_fields().as_json(),
             "stats": stats,
         }
 
     def _head_bytes(self) -> bytes | None:
-        current_head = getattr(self.service, "current_head", None)
-        head = current_head() if current_head is not None else None
+        head = self.service.head() if self.service is not None else None
         return None if head is None else head.model_dump_json().encode()
 
     def _write_ready_file(self) -> None:
@@ -195,13 +150,14 @@ class Daemon:
     # -- lifecycle -----------------------------------------------------------------------------
     async def _supervise(self, service: RoleService) -> None:
         failures = 0
+        settings = self.config.supervisor
         while not self.stop_event.is_set():
             try:
                 await service.run(self.stop_event)
                 return
             except Exception:
                 failures += 1
-                delay = min(30.0, 0.5 * 2**failures)
+                delay = backoff_s(failures, settings.restart_backoff_s, settings.restart_backoff_max_s)
                 logger.exception("%s service crashed (%d); restarting in %.1f s", self.config.role, failures, delay)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop_event.wait(), delay)
@@ -226,29 +182,29 @@ class Daemon:
         try:
             self.maddrs = await overlay.visible_maddrs()
             chunks, versions = ChunkStore(state_dir), VersionStore(state_dir)
-            inflight = InFlight()
-            service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit), inflight)
-            self.ctx = DaemonContext(config, overlay, chunks, versions, session, service, inflight)
             versions.clean_temporaries()
             chunks.clean_temporaries()
+            inflight = InFlight()
+            announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
+            self.ctx = DaemonContext(overlay, chunks, versions, session, inflight, announcer)
+            self.service = service = make_service(config, self.ctx)
             if config.role != "bootstrap":
                 from echo2swarm.policy.p2p import serve_p2p
 
-                await serve_p2p(overlay, service)  # the fallback transport, always on
-            if config.role != "bootstrap" and config.chunk_server.enabled:
-                self.server = ChunkServer(service, info=self.info, head=self._head_bytes)
-                port = await self.server.start()
-                host = config.chunk_server.host
-                if host in ("0.0.0.0", "::", ""):
-                    host = _pick_host(self.maddrs)
-                self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
-            self.service = _make_service(self.ctx)
+                self.chunk_service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit),
+                                                  inflight, plan=service.signed_plan)
+                await serve_p2p(overlay, self.chunk_service)  # the fallback transport, always on
+                if config.chunk_server.enabled:
+                    self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes)
+                    port = await self.server.start()
+                    host = config.chunk_server.host
+                    if host in ("0.0.0.0", "::", ""):
+                        host = _pick_host(self.maddrs)
+                    self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
             # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
-            announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
-            self.ctx.announcer = announcer
             tasks = [asyncio.create_task(announcer.run(self.stop_event))]
-            await self.service.start()
-            tasks.append(asyncio.create_task(self._supervise(self.service)))
+            await service.start()
+            tasks.append(asyncio.create_task(self._supervise(service)))
             self._write_ready_file()
             print(
                 f"echo2swarm {config.role} {overlay.peer_id} is up in swarm '{config.overlay.swarm}'"
@@ -270,27 +226,28 @@ class Daemon:
             await self._shutdown(overlay, session, tasks)
 
     async def _shutdown(self, overlay: Overlay, session: aiohttp.ClientSession, tasks: list[asyncio.Task[None]]) -> None:
-        deadline = time.monotonic() + STOP_BUDGET_S
+        settings = self.config.supervisor
+        deadline = time.monotonic() + settings.stop_budget_s
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            _, pending = await asyncio.wait(tasks, timeout=settings.stop_budget_s / 4)
             for task in pending:
                 task.cancel()
         if self.service is not None:
             # Mark the card `stopping` at once. Its expiry must be later than the last card's, or
             # hivemind keeps the old one; it then lapses one TTL from now like any unrenewed record.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(overlay.store_card(self.card("stopping")), 0.5)
+                await asyncio.wait_for(overlay.store_card(self.card("stopping")), settings.stopping_card_timeout_s)
         if self.server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server.stop(), 1.0)
+                await asyncio.wait_for(self.server.stop(), settings.stop_budget_s / 4)
         await session.close()
         await overlay.stop(timeout=max(0.5, (deadline - time.monotonic()) / 2))
         (Path(self.config.state_dir) / "daemon.json").unlink(missing_ok=True)
 
 
-def preflight(config: Any) -> None:
+def preflight(config: AnyDaemonConfig) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
-    if config.role == "learner":
+    if isinstance(config, LearnerConfig):
         from echo2swarm.learner.publisher import model_files
         from echo2swarm.wire.signing import PolicyKey
 
@@ -304,11 +261,11 @@ def preflight(config: Any) -> None:
             from echo2swarm.runtime.devices import resolve_device
 
             resolve_device(config.train.device, setting="train.device (--device)")
-    elif config.role in ("rollout", "relay") and config.trust:
+    elif isinstance(config, (RolloutConfig, RelayConfig)) and config.trust:
         from echo2swarm.wire.signing import load_trusted_key
 
         load_trusted_key(config.trust)
-    if config.role == "rollout":
+    if isinstance(config, RolloutConfig):
         from echo2swarm.rollout.engines import check_engine_installed
 
         check_engine_installed(config.engine.type)  # `--engine vllm` without vllm fails now, not at v1
@@ -318,7 +275,7 @@ def preflight(config: Any) -> None:
             resolve_device(config.engine.device, setting="engine.device (--device)")
 
 
-def run_daemon(config: Any) -> int:
+def run_daemon(config: AnyDaemonConfig) -> int:
     """Run a daemon to completion and return its exit code.
 
     Not `asyncio.run`: on the way out it waits for every worker thread, so a SIGTERM that lands

@@ -44,6 +44,10 @@ class LearnerActivation:
         self.last_plan: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def standby_retry_s(self) -> float:
+        return self.config.standby_retry_s
+
     # -- measurements --------------------------------------------------------------------------
     @property
     def rollouts_per_step(self) -> int:

@@ -3,7 +3,7 @@
     rpc_submit ─► learner checks lease/version, computes rewards ─► RolloutBuffer.add(group)
     trainer loop: poll ready(step, n) ─► take(step, n) ─► one GRPO step ─► step + 1
 
-Staleness rule (ARCHITECTURE §2): a group generated with version ``x`` may train step ``t``
+Staleness rule (docs/architecture.md §2): a group generated with version ``x`` may train step ``t``
 only if ``0 <= t - x <= S``. ``take`` discards every group that has fallen out of that window
 (counted in ``dropped["stale"]``) and never returns one from the future (``x > t``: kept for a
 later step). The only other way a group leaves without being trained on is the size bound

@@ -4,10 +4,10 @@
     rpc_submit ─► per group: lease owner? open prompt? version in window? shapes? decodes?
                   ─► reward by the task (ground truth stays here) ─► RolloutBuffer ─► wake the trainer
 
-Activation: `gate(peer)` (the learner's cost-aware plan) may answer that a peer is on standby; it
-then gets `LeaseWait(standby=True)` and no work. Each completed submission reports the peer's
-delivered rollouts, the seconds it spent on them and the lease's latency to `on_delivery`, which
-the plan measures µ and L_gen by.
+Activation: the `WorkGate` it is built with (the learner's cost-aware plan) may answer that a peer
+is on standby; it then gets `LeaseWait(standby=True)` and no work. Each completed submission
+reports the peer's delivered rollouts, the seconds it spent on them and the lease's latency to the
+gate's `on_delivery`, which the plan measures µ and L_gen by.
 
 Back-pressure: groups open in leases plus groups usable in the buffer never exceed
 (S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
@@ -26,6 +26,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from echo2swarm.config.rl import LeaseConfig, TrainConfig
 from echo2swarm.learner.buffer import Group, RolloutBuffer
@@ -37,6 +38,18 @@ from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.base import Task
 
 logger = get_logger(__name__)
+
+
+class WorkGate(Protocol):
+    """Who may work (cost-aware activation), and where delivered work is reported to."""
+
+    standby_retry_s: float  # how long a peer on standby waits before asking again
+
+    def gate(self, peer: str) -> str | None:
+        """Why `peer` is on standby, or None when it may work."""
+
+    def on_delivery(self, peer: str, rollouts: int, seconds: float, latency: float | None = None) -> None:
+        """`peer` delivered `rollouts` it spent `seconds` on, `latency` s after the lease was issued."""
 
 
 class Intake:
@@ -52,6 +65,8 @@ class Intake:
         version: int,
         cursor: int = 0,
         requeue: list[int] | None = None,
+        gate: WorkGate | None = None,
+        head_json: str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.task = task
@@ -63,7 +78,7 @@ class Intake:
         self.clock = clock
         self.version = version            # the step about to train = newest acceptable version
         self.published_version = version  # what peers can fetch
-        self.head_json: str | None = None
+        self.head_json = head_json        # the signed head of published_version, handed out with every reply
         self.done = False
         self.leases = LeaseManager(leases_config.timeout_s, leases_config.max_prompts, cursor, requeue or [])
         self.buffer = RolloutBuffer(train.staleness)
@@ -73,14 +88,27 @@ class Intake:
         self.refused: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
         self._seeds = random.Random(train.seed)
-        self.gate: Callable[[str], str | None] | None = None  # peer -> standby reason, None when it may work
-        # (peer, rollouts, seconds the peer spent on them, seconds from issue to delivery)
-        self.on_delivery: Callable[[str, int, float, float], None] | None = None
+        self.gate = gate
         self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
         self._carried: dict[str, int] = {}  # peer -> rollouts waiting to be reported with the next delivery
         self.seen: dict[str, float] = {}  # peer -> last lease request (clock)
 
-    standby_retry_s = 1.0
+    # -- what the learner tells it -------------------------------------------------------------
+    def published(self, version: int, head_json: str | None) -> None:
+        """`version` is out, with its signed head: peers held for want of it can have work now."""
+        self.published_version = version
+        self.head_json = head_json
+        self.work_freed()
+
+    def advance(self, version: int) -> None:
+        """A step took its batch: new work serves the step training `version` next."""
+        self.version = version
+        self.work_freed()
+
+    def finish(self) -> None:
+        """Training is over: every request is answered `done`."""
+        self.done = True
+        self.work_freed()
 
     @property
     def capacity(self) -> int:
@@ -125,9 +153,9 @@ class Intake:
             return LeaseWait(retry_s=5.0, reason="training finished", done=True, head=self.head_json)
         self.leases.expire(self.clock())
         self.seen[peer] = self.clock()
-        standby = self.gate(peer) if self.gate is not None else None
+        standby = self.gate.gate(peer) if self.gate is not None else None
         if standby is not None:
-            return LeaseWait(retry_s=self.standby_retry_s, reason=f"standby: {standby}"[:200], standby=True,
+            return LeaseWait(retry_s=self.gate.standby_retry_s, reason=f"standby: {standby}"[:200], standby=True,
                              head=self.head_json)
         min_version = max(1, self.version - self.train.staleness)
         min_version = min(min_version, self.published_version)
@@ -204,6 +232,7 @@ class Intake:
         return None
 
     def _report_delivery(self, peer: str, tally: dict[str, tuple[float, int]]) -> None:
+        assert self.gate is not None
         """µ from the seconds this peer spent on the lease, L_gen from issue to delivery.
 
         A peer that works ahead (prefetched leases) holds a lease while it finishes the one before:
@@ -218,7 +247,7 @@ class Intake:
             if now - since < 0.01:
                 self._carried[peer] = rollouts
                 continue
-            self.on_delivery(peer, rollouts, now - since, now - issued_at)
+            self.gate.on_delivery(peer, rollouts, now - since, now - issued_at)
             self._delivered_at[peer] = now
 
     async def rpc_submit(self, messages: AsyncIterator[GroupSubmission | RpcError], peer: str) -> SubmitResult:
@@ -234,6 +263,6 @@ class Intake:
                 accepted += 1
             else:
                 refused[reason] += 1
-        if self.on_delivery is not None:
+        if self.gate is not None:
             self._report_delivery(peer, tally)
         return SubmitResult(accepted=accepted, refused=dict(refused))

@@ -61,6 +61,7 @@ class PolicyFollower:
         on_version: OnVersion | None = None,
         on_state: Callable[[], None] = lambda: None,
         inflight: InFlight | None = None,
+        in_use: Callable[[], Collection[int]] = lambda: (),
     ):
         self.overlay = overlay
         self.swarm = overlay.config.swarm
@@ -73,8 +74,8 @@ class PolicyFollower:
         self.on_version = on_version
         self.on_state = on_state  # the card changed (fetch began or ended): announce it now
         # Versions whose files a reader still needs (the rollout engine's: see EngineWeights.in_use);
-        # garbage collection keeps them whatever their age. Set by the daemon once the worker exists.
-        self.in_use: Callable[[], Collection[int]] = lambda: ()
+        # garbage collection keeps them whatever their age.
+        self.in_use = in_use
         self.inflight = inflight or InFlight()
         self.inflight.poke = self.poke
         self.fetcher = PolicyFetcher(fetch, chunks)

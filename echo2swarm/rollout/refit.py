@@ -35,16 +35,17 @@ class EngineWeights:
 
     Example::
 
-        weights = EngineWeights(config, stats, on_built=lambda engine, path: ...)
+        weights = EngineWeights(config, on_built=lambda engine, path: ...)
         await weights.on_version(7, Path("versions/7"))     # builds the engine
         await weights.on_version(8, Path("versions/8"))     # queued in place, or deferred
         future = weights.submit_batch(["1+2="], params)     # runs on weights.version
     """
 
-    def __init__(self, config: RolloutConfig, stats: Counter[str],
+    def __init__(self, config: RolloutConfig, stats: Counter[str] | None = None,
                  on_built: Callable[[Any, Path], None] | None = None):
         self.config = config
-        self.stats = stats  # the worker's counters: refits, refits_deferred, refits_failed, engine_errors
+        # refits, refits_deferred, refits_failed, engine_errors; the worker counts its leases here too
+        self.stats: Counter[str] = Counter() if stats is None else stats
         self.on_built = on_built  # runs in the build thread once the engine holds its first version
         self.engine: Any = None
         self.version: int | None = None  # of the weights the next batch submitted runs on

@@ -31,9 +31,17 @@ import asyncio
 import time
 from collections import Counter
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from echo2swarm.config.models import RolloutConfig
+from echo2swarm.overlay.node import Overlay
+from echo2swarm.overlay.rpc import RpcError, call_client_stream, call_unary, rpc_name
+from echo2swarm.policy.follower import PolicyFollower
+from echo2swarm.rollout.refit import EngineWeights
+from echo2swarm.rollout.throughput import Throughput
+from echo2swarm.runtime.aio import backoff_s, wait_any
+from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.work import (
     CompletionMsg,
     GroupSubmission,
@@ -42,26 +50,32 @@ from echo2swarm.wire.work import (
     LeaseWait,
     SubmitResult,
 )
-from echo2swarm.overlay.rpc import RpcError, call_client_stream, call_unary, rpc_name
-from echo2swarm.policy.follower import PolicyFollower
-from echo2swarm.rollout.refit import EngineWeights
-from echo2swarm.rollout.throughput import Throughput
-from echo2swarm.daemon.supervisor import DaemonContext
-from echo2swarm.runtime.aio import backoff_s, wait_any
-from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 T = TypeVar("T")
 
 
 class RolloutWorker:
-    def __init__(self, ctx: DaemonContext, follower: PolicyFollower):
-        self.ctx = ctx
-        self.config: RolloutConfig = ctx.config
+    """Takes leases from the learner the follower trusts, generates on `weights`' engine, submits.
+
+    Built by the daemon's follower service, which makes the engine's weights and µ first, since
+    the follower also needs to know which versions the engine still reads:
+
+        throughput = Throughput(config, state_dir / "throughput.json")
+        weights = EngineWeights(config, on_built=throughput.calibrate)
+        follower = PolicyFollower(..., in_use=weights.in_use)
+        worker = RolloutWorker(config, follower, weights, throughput, overlay, announce=announcer.trigger)
+    """
+
+    def __init__(self, config: RolloutConfig, follower: PolicyFollower, weights: EngineWeights,
+                 throughput: Throughput, overlay: Overlay, announce: Callable[[], None] = lambda: None):
+        self.config = config
         self.follower = follower
-        self.stats: Counter[str] = Counter()
-        self.throughput = Throughput(self.config, Path(self.config.state_dir) / "throughput.json")
-        self.weights = EngineWeights(self.config, self.stats, on_built=self.throughput.calibrate)
+        self.overlay = overlay
+        self.announce = announce  # our card changed: tell the swarm now
+        self.weights = weights
+        self.stats = weights.stats  # one set of counters: the lease loop's and the engine's (refits, errors)
+        self.throughput = throughput
         self.active: bool | None = None  # False while the learner keeps us on standby
         self._last_error = ""
         self._waited_s = 0.0  # the lease loop's LeaseWait sleeps, finished ones
@@ -84,8 +98,7 @@ class RolloutWorker:
         if active != self.active:
             self.active = active
             logger.info("the learner made this peer %s", "active" if active else "standby")
-            if self.ctx.announcer is not None:
-                self.ctx.announcer.trigger()
+            self.announce()
 
     def _note_error(self, message: str) -> None:
         self.stats["rpc_errors"] += 1
@@ -157,7 +170,7 @@ class RolloutWorker:
             started = time.perf_counter()
             try:
                 reply = await call_unary(
-                    self.ctx.overlay.p2p, learner, rpc_name(swarm, "lease"),
+                    self.overlay.p2p, learner, rpc_name(swarm, "lease"),
                     # The newest version on disk, loaded or not: a lease that needs it loads it at once.
                     LeaseRequest(max_prompts=cfg.max_prompts, held_version=self.weights.runnable_version(),
                                  wait_s=cfg.lease_wait_s),
@@ -337,7 +350,7 @@ class RolloutWorker:
         started = time.perf_counter()
         try:
             result = await call_client_stream(
-                self.ctx.overlay.p2p, learner, rpc_name(self.config.overlay.swarm, "submit"), groups, SubmitResult,
+                self.overlay.p2p, learner, rpc_name(self.config.overlay.swarm, "submit"), groups, SubmitResult,
                 cfg.rpc_timeout_s,
             )
         except RpcError as e:

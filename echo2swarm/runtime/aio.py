@@ -7,12 +7,12 @@ import asyncio
 BACKOFF_MAX_S = 60.0  # the longest pause a loop takes after consecutive failures
 
 
-def backoff_s(failures: int, base_s: float) -> float:
+def backoff_s(failures: int, base_s: float, max_s: float = BACKOFF_MAX_S) -> float:
     """Seconds to pause after `failures` consecutive failures (≥ 1): `base_s` after the first,
-    doubling with each one after it, at most BACKOFF_MAX_S."""
+    doubling with each one after it, at most `max_s`."""
     if failures < 1:
         raise ValueError(f"failures must be >= 1, got {failures}")
-    return min(BACKOFF_MAX_S, base_s * 2.0 ** min(failures - 1, 32))
+    return min(max_s, base_s * 2.0 ** min(failures - 1, 32))
 
 
 async def wait_any(*events: asyncio.Event, timeout: float) -> bool:

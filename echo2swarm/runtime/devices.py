@@ -1,4 +1,4 @@
-"""Torch device names for the learner's trainer and the transformers engine.
+"""Torch device names for the learner's trainer and the transformers engine, and the cores an engine may use.
 
 A device setting is ``"auto"`` (the first CUDA device when one is visible, else the CPU),
 ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. The config checks the spelling without importing torch
@@ -58,3 +58,34 @@ def resolve_device(value: str | torch.device, *, setting: str = "device") -> tor
             raise ValueError(f"{setting} is {value!r} but only {count} CUDA device(s) are visible "
                              f"(cuda:0 .. cuda:{count - 1})")
     return device
+
+
+def check_cpus(cpus: list[int] | None) -> set[int] | None:
+    """``cpus`` as a set, after checking that this machine has every one of them.
+
+    Not checked against this process's own affinity: a daemon pinned to core 0 may run its engine
+    on core 1. A core the container's cpuset withholds is refused when the host pins itself.
+    """
+    if cpus is None:
+        return None
+    if not cpus:
+        raise ValueError("engine.cpus is empty; list the cores the engine may use, or leave it unset")
+    present = set(range(os.cpu_count() or 1))
+    missing = sorted(set(cpus) - present)
+    if missing:
+        raise ValueError(f"engine.cpus names cores {missing} this machine does not have; it has {format_cores(present)}")
+    return set(cpus)
+
+
+def format_cores(cores: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``, for messages."""
+    out, ordered = [], sorted(cores)
+    start = prev = ordered[0]
+    for core in ordered[1:] + [None]:  # type: ignore[list-item]
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return ",".join(out)

@@ -39,42 +39,12 @@ from typing import Any
 
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
 from echo2swarm.rollout.engines.runner import Batch, EngineProcessError, VersionMismatch, rebuild
+from echo2swarm.runtime.devices import check_cpus, format_cores
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["EngineProcessError", "ProcessEngine", "VersionMismatch", "check_cpus", "format_cores"]
-
-
-def check_cpus(cpus: list[int] | None) -> set[int] | None:
-    """``cpus`` as a set, after checking that this machine has every one of them.
-
-    Not checked against this process's own affinity: a daemon pinned to core 0 may run its engine
-    on core 1. A core the container's cpuset withholds is refused when the host pins itself.
-    """
-    if cpus is None:
-        return None
-    if not cpus:
-        raise ValueError("engine.cpus is empty; list the cores the engine may use, or leave it unset")
-    present = set(range(os.cpu_count() or 1))
-    missing = sorted(set(cpus) - present)
-    if missing:
-        raise ValueError(f"engine.cpus names cores {missing} this machine does not have; it has {format_cores(present)}")
-    return set(cpus)
-
-
-def format_cores(cores: set[int]) -> str:
-    """``{0, 1, 2, 5}`` as ``0-2,5``, for messages."""
-    out, ordered = [], sorted(cores)
-    start = prev = ordered[0]
-    for core in ordered[1:] + [None]:  # type: ignore[list-item]
-        if core is not None and core == prev + 1:
-            prev = core
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if core is not None:
-            start = prev = core
-    return ",".join(out)
+__all__ = ["EngineProcessError", "ProcessEngine", "VersionMismatch"]
 
 
 class _Host:

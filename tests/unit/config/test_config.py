@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from echo2swarm.config import ConfigError, LearnerConfig, RolloutConfig, load_config
+from echo2swarm.config.loading import ConfigError, load_config
+from echo2swarm.config.models import LearnerConfig, RolloutConfig
 from echo2swarm.config.units import parse_bytes
 
 REPO_ROOT = Path(__file__).parents[3]

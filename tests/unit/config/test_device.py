@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from echo2swarm.config import ConfigError, load_config
+from echo2swarm.config.loading import ConfigError, load_config
 from echo2swarm.config.rl import EngineConfig, TrainConfig
 from echo2swarm.runtime.devices import check_device_name, resolve_device
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from echo2swarm.config.rl import LeaseConfig, TrainConfig
-from echo2swarm.learner.intake import Intake
+from echo2swarm.learner.intake import Intake, WorkGate
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
 from echo2swarm.wire.work import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
 from echo2swarm.models.tiny import build_char_tokenizer
@@ -77,13 +77,13 @@ def test_group_within_window_passes_and_unpublished_versions_are_future():
     assert check_group(submission(version=5), LIMITS, current_version=5, staleness=1, newest_published=4) == "future_version"
 
 
-def _intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float = 5.0) -> Intake:
+def _intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float = 5.0, gate: WorkGate | None = None) -> Intake:
     tokenizer = build_char_tokenizer()
     train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4)
     return Intake(
         get_task("arith", seed=0), train, LeaseConfig(max_prompts=2, max_hold_s=max_hold_s),
         encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        limits=LIMITS, version=5,
+        limits=LIMITS, version=5, gate=gate,
     )
 
 
@@ -181,10 +181,25 @@ def test_undecodable_text_is_refused_but_a_cut_multibyte_tail_is_not():
     assert intake.accept(cut, A) is None
 
 
+class Recorder:
+    """A work gate that lets everyone work and records what is delivered."""
+
+    standby_retry_s = 1.0
+
+    def __init__(self, seen: list[tuple[str, int, float, float | None]]):
+        self.seen = seen
+
+    def gate(self, peer: str) -> str | None:
+        return None
+
+    def on_delivery(self, peer: str, rollouts: int, seconds: float, latency: float | None = None) -> None:
+        self.seen.append((peer, rollouts, seconds, latency))
+
+
 def test_a_peer_working_ahead_is_measured_by_its_work_not_by_how_long_it_held_the_lease():
-    intake, now, seen = _intake(), [0.0], []
+    now, seen = [0.0], []
+    intake = _intake(gate=Recorder(seen))
     intake.clock = lambda: now[0]
-    intake.on_delivery = lambda peer, rollouts, busy, latency: seen.append((peer, rollouts, busy, latency))
     now[0] = 1.0
     intake._report_delivery(A, {"l1": (0.0, 16)})  # idle before: the work is issue to delivery
     now[0] = 2.0

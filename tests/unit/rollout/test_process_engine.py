@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from echo2swarm.rollout.engines import SamplingParams, make_engine
-from echo2swarm.rollout.engines.host import EngineProcessError, ProcessEngine, check_cpus
+from echo2swarm.rollout.engines.host import EngineProcessError, ProcessEngine
+from echo2swarm.runtime.devices import check_cpus
 from echo2swarm.rollout.engines.runner import ThreadRunner, VersionMismatch
 from echo2swarm.runtime.processes import pid_alive, wait_until
 
