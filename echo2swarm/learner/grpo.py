@@ -3,11 +3,13 @@
 Pure torch, no I/O. The learner daemon turns buffered groups into padded tensors and calls::
 
     adv = torch.cat([group_advantages(torch.tensor(g.rewards)) for g in groups])   # [B]
-    with torch.no_grad():
-        proximal = token_logprobs(model, ids, attn, comp_mask)                    # [B, L]
-    lp = token_logprobs(model, ids, attn, comp_mask)                              # with grad
+    scored = completion_logits(model, ids, attn, comp_mask)                       # one forward
+    lp = scored.token_logprobs()                                                  # [B, L], with grad
+    proximal = lp.detach()                   # the policy before this step (= a no_grad forward)
     loss, stats = grpo_loss(lp, behaviour, adv, comp_mask, proximal_logprobs=proximal)
     loss.backward()
+
+(`token_logprobs(model, ...)` is the same in one call; verify.py scores ``scored``'s logits too.)
 
 Sign convention: ``grpo_loss`` is a loss to *minimise*; a positive advantage pushes the
 logprobs of that sequence's tokens up. Every per-token tensor is ``[B, L]`` and aligned with
@@ -17,10 +19,11 @@ logprobs of that sequence's tokens up. Every per-token tensor is ``[B, L]`` and 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["group_advantages", "grpo_loss", "token_logprobs"]
+__all__ = ["CompletionLogits", "completion_logits", "group_advantages", "grpo_loss", "token_logprobs"]
 
 
 def group_advantages(rewards: torch.Tensor, *, scale_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -49,6 +52,87 @@ def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
         return False
 
 
+@dataclass
+class CompletionLogits:
+    """The temperature-scaled logits that predict the completion tokens of a left-padded batch.
+
+    ``logits[:, j]`` (``[B, L - first, V]``, float32, already divided by the temperature) is the
+    prediction for token ``first + j`` of ``input_ids``; ``targets[:, j]`` is that token. ``keep``
+    (``[B, L]`` bool) marks the positions whose logprob is wanted (the completion mask without
+    position 0). When nothing is to be scored, ``logits`` has no columns.
+    """
+
+    logits: torch.Tensor
+    targets: torch.Tensor
+    first: int
+    keep: torch.Tensor
+
+    def token_logprobs(self) -> torch.Tensor:
+        """``[B, L]``: ``log softmax(logits)[target]`` where ``keep`` is set, else 0."""
+        return self.spread(self.picked_logprobs())
+
+    def picked_logprobs(self) -> torch.Tensor:
+        """``[B, L - first]``: the target's logprob at every scored column (padding included)."""
+        if self.logits.shape[1] == 0:
+            return self.logits.new_zeros(self.targets.shape)
+        picked = self.logits.gather(-1, self.targets.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(self.logits, dim=-1)
+
+    def spread(self, columns: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Place ``[B, L - first]`` values back at their ``[B, L]`` positions; ``fill`` where not kept."""
+        batch, length = self.keep.shape
+        head = columns.new_full((batch, length - columns.shape[1]), fill)
+        out = torch.cat([head, columns], dim=1)
+        # `where`, not `*`: a NaN from a fully padded row must not leak through 0 * NaN.
+        return torch.where(self.keep, out, torch.full_like(out, fill))
+
+
+def completion_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> CompletionLogits:
+    """One forward of ``model`` over a left-padded ``[B, L]`` batch, keeping only the logits that
+    predict completion tokens (see :class:`CompletionLogits`). Gradients flow unless the caller
+    wraps the call in ``torch.no_grad()``.
+
+    Memory: only the positions from the first completion token on get logits (via
+    ``logits_to_keep`` on Hugging Face causal LMs).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape or completion_mask.shape != input_ids.shape:
+        raise ValueError(
+            "input_ids, attention_mask and completion_mask must all be [B, L]; got "
+            f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(completion_mask.shape)}"
+        )
+    batch, length = input_ids.shape
+    keep_mask = completion_mask.bool().clone()  # .bool() on a bool tensor aliases the caller's
+    if length:
+        keep_mask[:, 0] = False  # no prefix to condition on
+    columns = keep_mask.any(dim=0).nonzero()
+    if batch == 0 or length < 2 or columns.numel() == 0:
+        empty = torch.zeros(batch, 0, 0, dtype=torch.float32, device=input_ids.device)
+        return CompletionLogits(empty, input_ids[:, length:], length, keep_mask)
+    first = int(columns[0])  # first position whose logprob is needed; its logits sit at first - 1
+    n_keep = length - first + 1
+
+    # Qwen3 (and other RoPE models) number positions 0..L-1 regardless of padding; with left
+    # padding that shifts every prompt, so count only real tokens.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    kwargs: dict[str, object] = {"use_cache": False}
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = n_keep
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
+    logits = logits[:, -n_keep:-1].float()  # predictions for positions first .. L-1
+    if temperature != 1.0:
+        logits = logits / temperature
+    return CompletionLogits(logits, input_ids[:, first:], first, keep_mask)
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -68,43 +152,9 @@ def token_logprobs(
     ``logits_to_keep`` on Hugging Face causal LMs), and the log-softmax is never materialised:
     the picked logit minus ``logsumexp`` over the vocabulary gives the same value.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape or completion_mask.shape != input_ids.shape:
-        raise ValueError(
-            "input_ids, attention_mask and completion_mask must all be [B, L]; got "
-            f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(completion_mask.shape)}"
-        )
-    batch, length = input_ids.shape
-    keep_mask = completion_mask.bool().clone()  # .bool() on a bool tensor aliases the caller's
-    keep_mask[:, 0] = False  # no prefix to condition on
-    out_dtype = torch.float32
-    columns = keep_mask.any(dim=0).nonzero()
-    if batch == 0 or length < 2 or columns.numel() == 0:
-        return torch.zeros(batch, length, dtype=out_dtype, device=input_ids.device)
-    first = int(columns[0])  # first position whose logprob is needed; its logits sit at first - 1
-    n_keep = length - first + 1
-
-    # Qwen3 (and other RoPE models) number positions 0..L-1 regardless of padding; with left
-    # padding that shifts every prompt, so count only real tokens.
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    kwargs: dict[str, object] = {"use_cache": False}
-    if _accepts_logits_to_keep(model):
-        kwargs["logits_to_keep"] = n_keep
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs).logits
-    logits = logits[:, -n_keep:-1]  # predictions for positions first .. L-1
-    targets = input_ids[:, first:]
-
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logprobs = picked - torch.logsumexp(logits, dim=-1)
-
-    head = torch.zeros(batch, first, dtype=logprobs.dtype, device=logprobs.device)
-    out = torch.cat([head, logprobs], dim=1)
-    # `where`, not `*`: a NaN from a fully padded row must not leak through 0 * NaN.
-    return torch.where(keep_mask, out, torch.zeros_like(out))
+    return completion_logits(
+        model, input_ids, attention_mask, completion_mask, temperature=temperature
+    ).token_logprobs()
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
