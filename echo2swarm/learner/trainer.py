@@ -1,8 +1,15 @@
 """One GRPO step on a batch of accepted groups, and the weights it produces.
 
     groups (prompt ids, completions, behaviour logprobs, rewards, version)
-      ─► left-padded batch ─► advantages per group ─► token logprobs (with grad)
-      ─► clipped objective (decoupled PPO when some groups are stale) ─► AdamW step
+      ─► left-padded batch ─► advantages per group
+      ─► ONE forward: token logprobs (with grad); detached, the proximal logprobs, plus the
+         sampling statistics of the verification (verify.py)
+      ─► verification: implausible, mis-versioned or atypical groups leave the objective, reported
+      ─► clipped objective (decoupled PPO when some groups are stale) ─► AdamW step,
+         skipped when the loss or the gradient norm is not finite
+
+Weights are turned into bytes (`weights_bytes`, what the learner signs and publishes) only when
+every tensor is finite.
 
 Runs in a worker thread of the learner daemon; nothing here touches the network. The policy, the
 reference model, the optimizer state and every batch tensor live on `train.device`; published
@@ -13,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +28,24 @@ import torch
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from echo2swarm.config.rl import TrainConfig
+from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.grpo import completion_logits, group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.verify import (
+    NonFiniteWeightsError,
+    Verifier,
+    VerifyResult,
+    WeightsOf,
+    check_finite,
+    load_policy_weights,
+    score_logits,
+)
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+
+__all__ = ["Batch", "GRPOTrainer", "NonFiniteWeightsError", "unique_state_dict"]
 
 
 @dataclass
@@ -41,6 +59,17 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def only_rows(self, keep: torch.Tensor) -> Batch:
+        """The same tensors with the rows where ``keep`` ([B] bool) is false taken out of the
+        objective: no completion token, behaviour logprob 0, advantage 0."""
+        column = keep.unsqueeze(1)
+        return replace(
+            self,
+            completion_mask=self.completion_mask * column,
+            behaviour=torch.where(column, self.behaviour, torch.zeros_like(self.behaviour)),
+            advantages=torch.where(keep, self.advantages, torch.zeros_like(self.advantages)),
+        )
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -59,13 +88,22 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class GRPOTrainer:
     """Holds the policy and its optimizer.
 
-    >>> trainer = GRPOTrainer(Path("model"), TrainConfig())
+    >>> trainer = GRPOTrainer(Path("model"), TrainConfig(), verify=VerifyConfig(),
+    ...                       weights_of=lambda v: store.dir(v) if store.installed(v) else None)
     >>> stats = trainer.step(groups, current_version=7)
+    >>> stats["refused_groups"]                # [(peer_id, prompt_id, reason), ...]
     >>> weights = trainer.weights_bytes()      # safetensors bytes for the next version
+
+    ``verify`` (default: ``VerifyConfig()``, checks on) configures the checks of learner/verify.py;
+    ``weights_of(version)`` gives the weights of a version the learner published (tensors by name,
+    or its model directory), None when gone. Without it, groups older than the step's version get
+    the plausibility and typicality checks but no exact check.
     """
 
-    def __init__(self, model_dir: Path, config: TrainConfig):
+    def __init__(self, model_dir: Path, config: TrainConfig, *, verify: VerifyConfig | None = None,
+                 weights_of: WeightsOf | None = None):
         self.config = config
+        self.verify_config = verify if verify is not None else VerifyConfig()
         self.device = resolve_device(config.device, setting="train.device (--device)")
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -84,6 +122,29 @@ class GRPOTrainer:
             self.reference = copy.deepcopy(self.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+        self.verifier: Verifier | None = None
+        if self.verify_config.enabled:
+            self.verifier = Verifier(self.verify_config, temperature=config.temperature, top_p=config.top_p,
+                                     weights_of=weights_of, make_spare=self._spare_model)
+        self.skipped_nonfinite = 0  # steps skipped so far because the loss or a gradient was not finite
+
+    def _spare_model(self) -> torch.nn.Module:
+        """A second copy of the policy on the training device, to hold older versions' weights.
+
+        A copy of the module (a device-side copy, no random initialisation), without gradients:
+        they are set aside while it is made and put back after.
+        """
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            spare = copy.deepcopy(self.model)
+        finally:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        spare.requires_grad_(False)
+        return spare.eval()
 
     @property
     def vocab_size(self) -> int:
@@ -132,31 +193,98 @@ class GRPOTrainer:
             torch.tensor([r[4] for r in rows], dtype=torch.long),
         ).to(self.device)
 
+    @staticmethod
+    def _group_rows(groups: list[Group]) -> list[range]:
+        rows, start = [], 0
+        for group in groups:
+            rows.append(range(start, start + len(group.completions)))
+            start += len(group.completions)
+        return rows
+
     def step(self, groups: list[Group], current_version: int) -> dict[str, Any]:
+        """One GRPO step on ``groups`` (trained at policy version ``current_version``).
+
+        Returns float stats of the objective (``loss``, ``clip_frac``, ``ratio_mean``, ``kl``,
+        ``is_weight_mean``), ``grad_norm``, rewards and sizes of what trained, ``t_train_s``, and:
+        ``refused_groups`` [(peer_id, prompt_id, reason)], ``verify_checked``, ``verify_exact``,
+        ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``groups_trained``,
+        and ``skipped_nonfinite`` (1 when the loss or the gradient norm was not finite and no update
+        was made, else 0). A batch whose every group is refused trains nothing (``groups_trained``
+        0, ``loss`` 0.0, no optimizer step).
+
+        One forward of the policy serves everything: its logprobs, detached, are the proximal
+        logprobs (the policy at this step, as a separate no_grad forward would give them, without
+        paying for it), the verification's reference, and the decoupled objective's anchor when
+        stale groups train; with gradient, they are the objective's.
+        """
         started = time.perf_counter()
         batch = self.build_batch(groups)
         temperature = self.config.temperature
-        stale = bool((batch.versions < current_version).any())
-        proximal = ref = None
-        if stale or self.reference is not None:
+        scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                   temperature=temperature)
+        logprobs = scored.token_logprobs()
+        proximal = logprobs.detach()
+        verdict = VerifyResult(keep=[True] * len(groups))
+        t_verify = 0.0
+        if self.verifier is not None:
+            verify_started = time.perf_counter()
+            scores = score_logits(scored, top_p=self.config.top_p, logprobs=proximal,
+                                  typicality=self.verify_config.typicality_z is not None)
             with torch.no_grad():
-                if stale:  # decoupled PPO: clip against the current policy, re-weight by truncated IS
-                    proximal = token_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                              temperature=temperature)
-                if self.reference is not None:
-                    ref = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                         temperature=temperature)
-        logprobs = token_logprobs(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                  temperature=temperature)
+                verdict = self.verifier.check(
+                    groups, self._group_rows(groups), current_version=current_version,
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores,
+                )
+            if not all(verdict.keep):
+                # Refused rows stay in the tensors but leave the objective: masked positions
+                # contribute nothing to grpo_loss, whatever they hold (inf and NaN included).
+                keep_rows = torch.tensor([keep for g, keep in zip(groups, verdict.keep) for _ in g.completions],
+                                         dtype=torch.bool, device=self.device)
+                batch = batch.only_rows(keep_rows)
+                groups = [g for g, keep in zip(groups, verdict.keep) if keep]
+            t_verify = time.perf_counter() - verify_started
+        verify_stats = {**verdict.stats(), "t_verify_s": t_verify, "groups_trained": len(groups)}
+        if not groups:
+            logger.warning("step at v%d: every group was refused; nothing to train", current_version)
+            del scored, logprobs
+            return self._idle_stats(verify_stats, started)
+
+        kept = batch.completion_mask.bool().any(dim=1)
+        stale_rows = kept & (batch.versions < current_version)
+        stale = bool(stale_rows.any())
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                     temperature=temperature)
         loss, stats = grpo_loss(
             logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
             clip_low=self.config.clip_low, clip_high=self.config.clip_high,
-            proximal_logprobs=proximal, is_cap=self.config.is_cap, ref_logprobs=ref, kl_coef=self.config.kl_coef,
+            # decoupled PPO when some groups are stale: clip against the current policy, re-weight by truncated IS
+            proximal_logprobs=proximal if stale else None, is_cap=self.config.is_cap, ref_logprobs=ref,
+            kl_coef=self.config.kl_coef,
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.optimizer.step()
+        skipped = 0
+        grad_norm = torch.tensor(float("nan"))
+        finite_loss = bool(torch.isfinite(loss.detach()))
+        if finite_loss:
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if finite_loss and bool(torch.isfinite(grad_norm)):
+            self.optimizer.step()
+        else:
+            # A NaN or inf here would reach every weight through clip_grad_norm_ and AdamW: no update.
+            self.optimizer.zero_grad(set_to_none=True)
+            skipped = 1
+            self.skipped_nonfinite += 1
+            logger.error(
+                "step at v%d SKIPPED: loss %s, gradient norm %s (not finite); weights and optimizer state "
+                "unchanged (%d such steps so far); groups from peers %s",
+                current_version, float(loss.detach()), float(grad_norm), self.skipped_nonfinite,
+                sorted({g.peer_id[-8:] for g in groups}),
+            )
         rewards = torch.tensor([r for g in groups for r in g.rewards])
         return {
             **stats,
@@ -164,26 +292,44 @@ class GRPOTrainer:
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
             "tokens": int(batch.completion_mask.sum()),
-            "sequences": int(batch.input_ids.shape[0]),
-            "stale_sequences": int((batch.versions < current_version).sum()),
+            "sequences": int(kept.sum()),
+            "stale_sequences": int(stale_rows.sum()),
+            "skipped_nonfinite": skipped,
+            **verify_stats,
+            "t_train_s": time.perf_counter() - started,
+        }
+
+    def _idle_stats(self, verify_stats: dict[str, Any], started: float) -> dict[str, Any]:
+        """Stats of a step that trained nothing (every group refused): same keys, zero values."""
+        return {
+            "loss": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0, "is_weight_mean": 1.0,
+            "grad_norm": 0.0, "reward_mean": 0.0, "reward_std": 0.0, "tokens": 0, "sequences": 0,
+            "stale_sequences": 0, "skipped_nonfinite": 0, **verify_stats,
             "t_train_s": time.perf_counter() - started,
         }
 
     def weights_bytes(self) -> bytes:
-        """The policy as safetensors bytes: fp32, copied to the CPU when training runs elsewhere."""
-        tensors = {name: t.to("cpu") for name, t in unique_state_dict(self.model).items()}
+        """The policy as safetensors bytes: fp32, copied to the CPU when training runs elsewhere.
+
+        Raises NonFiniteWeightsError (a ValueError) when any tensor holds a NaN or an inf: such
+        weights are never turned into bytes, so never signed, published or checkpointed.
+        """
+        state = unique_state_dict(self.model)
+        check_finite(state)
+        tensors = {name: t.to("cpu") for name, t in state.items()}
         return save_safetensors(tensors, metadata={"format": "pt"})
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         # load_state_dict copies into the existing parameters, so CPU tensors land on self.device.
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
         # Names sharing storage with another (lm_head tied to the embeddings) are not in saved weights.
-        tied = set(self.model.state_dict()) - set(unique_state_dict(self.model))
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
+        try:
+            load_policy_weights(self.model, tensors)
+        except ValueError as e:
+            raise ValueError(f"checkpoint does not fit the model: {e}") from None
 
     def save_model_dir(self, out_dir: Path) -> Path:
-        """A plain Hugging Face model directory of the current policy."""
+        """A plain Hugging Face model directory of the current policy (NonFiniteWeightsError if not finite)."""
+        check_finite(unique_state_dict(self.model))
         self.model.save_pretrained(out_dir, safe_serialization=True)
         self.tokenizer.save_pretrained(out_dir)
         return out_dir

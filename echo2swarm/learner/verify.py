@@ -1,0 +1,559 @@
+"""Check the groups of untrusted rollout peers against the learner's own policy before they train.
+
+A rollout peer sends token ids and, per token, the behaviour logprob of the version that sampled
+it. Both are self-declared: `check_group` (leases.py) only checks shapes and that logprobs are
+finite and <= 0. A hostile peer can send finite but absurd logprobs (-1e30: the importance ratio
+is inf, the loss NaN, and NaN spreads through `clip_grad_norm_` into every weight), or run no
+model at all and send the right answer with made-up logprobs, or make up text (the right answer)
+and score it honestly. This module is the learner's answer; `GRPOTrainer.step` runs it on every
+batch, before the loss.
+
+Dataflow (one training step at current version t; b = the claimed behaviour logprobs, k = t - v
+the staleness of a group of version v)::
+
+    groups ─► left-padded batch
+      └─► the step's own forward of the policy (= version t; `score_logits` on its logits, no
+            gradient; `score_tokens` for a forward of its own), per completion token:
+            q = proximal logprob (also the decoupled objective's anchor), and under the sampling
+            distribution π (softmax(logits / T), top-p nucleus renormalised) the token's
+            surprisal s = -log π(x), the entropy H(π) and Var_π[-log π]
+      └─► plausibility, every group (`Verifier.check`)
+            b finite ──────────────────────────────────────────────── else "nonfinite_logprob"
+            max |b - q| <= exact_tolerance + k · token_gap_per_version   else "token_gap"
+            mean |b - q| <= exact_mean_tolerance + k · mean_gap_per_version else "mean_gap"
+            (k = 0: q IS the behaviour version's logprob, so this is the exact check: "exact_mismatch")
+      └─► exact check: every group of version t (free: q above); of older groups a random
+            `sample_fraction`, plus every suspicious one (gap above `suspect_fraction` of its
+            bound, typicality over the threshold under q, or a peer refused in the last
+            `suspect_steps` steps). Version v's weights come from `weights_of(v)` (the learner's
+            own published versions) into a spare model (LRU of `spare_models`), one forward per
+            version: e = exact logprobs; max |b - e| > exact_tolerance or
+            mean |b - e| > exact_mean_tolerance ──────────────────────────── "exact_mismatch"
+      └─► typicality, under the behaviour version (exact when it ran; for an older group that no
+            exact check covered, under q, the policy k versions later, as a proxy):
+            z = Σ (s - H) / sqrt(Σ Var + floor), per sequence and over the group;
+            max(z) > typicality_z ──────────────────────────────────────────── "atypical_text"
+      └─► refused groups leave the objective (their rows are masked out) before the loss; each
+            is reported as (peer_id, prompt_id, reason), and its peer's older groups are checked
+            exactly for the next `suspect_steps` steps
+
+Why the typicality test works, and where it stops: for an honest sample x_t ~ π_t, the surprisal
+-log π_t(x_t) has expectation H(π_t) and variance Var_t, both computable from π_t alone; summed
+over a sequence (a martingale: each term has mean 0 given its prefix) the total has mean 0 and
+variance Σ Var_t, so z is about standard. Text the policy would almost never sample (a fabricated
+right answer the model cannot produce, tokens outside the nucleus) has a large positive z. One
+sided: text that is *more* probable than sampling gives (a greedy decode) is not refused.
+It cannot catch a worker that samples honestly but lies elsewhere (about its version, or by
+cherry-picking among many honest samples), nor crafted text that happens to be typical (a right
+answer the policy gives with fair probability: it is then also a likely honest sample, and its
+reward teaches the policy little it would not learn anyway). The tail of z is heavier than a
+normal's (a rare token sampled at a near-certain position gives a large z), hence a threshold
+far above 3 and a variance floor.
+
+Measured honest spread (`scripts/bench_verify.py`: the tiny arith model warmed up to ~25 %
+accuracy, the transformers engine on the CPU, the fp32 trainer; 400 groups of 8 per version and
+engine dtype, T = 1, top_p = 1; also 300 at T = 0.7, top_p = 0.9), |claimed - recomputed| logprob:
+
+    engine, vs what                  max over tokens    max group mean   (p99 of per-group max)
+    fp32, own version                9.1e-6             2.0e-6           6.6e-6
+    bf16 weights, own version        0.35               0.055            0.19
+    fp32/bf16, current policy, k=1   1.85               0.46             1.6     (lr 3e-4, R = 16)
+    fp32/bf16, current policy, k=2   3.2                0.72             3.05
+    honest typicality z              8.6 (2400 groups), 9.2 (another 3000 groups); p99 ~5
+
+The defaults (VerifyConfig) leave about 3x margin over these: exact_tolerance 1.0 and
+exact_mean_tolerance 0.1 nats, + 3.0 and + 1.0 nats per version of staleness, typicality_z 12.
+With them no honest group of 4200 was refused, and of crafted groups: every absurd one; right
+answers with a constant logprob, all at k = 0 (97 % at T = 0.7, where the model is near certain
+of some answers, so the constant is close to the truth), 70-100 % at k = 1 from a peer with no
+history and 93-100 % from one peer; random text scored with the true logprobs, all; right
+answers scored with the true logprobs, 0-10 % (the warm model gives them 1 time in 4 or 5:
+typical text, see above). The drift per version depends on the learning rate and the model: a
+larger lr than the tiny demo's 3e-4 needs larger per-version bounds, a real LLM's 1e-6 far
+smaller ones; bf16 engines on large models (vLLM) disagree with an fp32 learner more than this
+tiny model does, so measure before tightening exact_tolerance.
+
+Memory: at most `spare_models` extra copies of the policy (fp32, on the training device), made
+on the first exact check of an older version; the sampling statistics are computed in row chunks
+of at most `chunk_elements` logits beside the logits the forward already holds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from echo2swarm.config.rl import VerifyConfig
+from echo2swarm.learner.buffer import Group
+from echo2swarm.learner.grpo import CompletionLogits, completion_logits
+from echo2swarm.runtime.logging import get_logger
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "REASONS",
+    "NonFiniteWeightsError",
+    "Refusal",
+    "TokenScores",
+    "VerifyResult",
+    "Verifier",
+    "WeightsOf",
+    "check_finite",
+    "load_policy_weights",
+    "score_logits",
+    "score_tokens",
+    "typicality_z",
+]
+
+REASONS = ("nonfinite_logprob", "future_version", "token_gap", "mean_gap", "exact_mismatch", "atypical_text")
+"""Every refusal reason `Verifier.check` gives."""
+
+WeightsOf = Callable[[int], "dict[str, torch.Tensor] | Path | str | None"]
+"""version -> that version's weights: tensors by name (tied duplicates may be left out), or a model
+directory whose ``*.safetensors`` hold them; None when the version is not available."""
+
+# Added to Σ Var (nats²) under the square root of z: at near-certain positions the variance is ~0
+# and a single sampled runner-up would otherwise give an unbounded z. 1 nat² keeps honest z below
+# ~9 (see the module docstring) while random text still scores z > 50.
+VARIANCE_FLOOR = 1.0
+
+
+class NonFiniteWeightsError(ValueError):
+    """Weights holding NaN or inf: never turned into bytes, so never signed or published."""
+
+
+def check_finite(tensors: dict[str, torch.Tensor], what: str = "policy") -> None:
+    """Raise NonFiniteWeightsError naming the tensors (first 5) that hold a NaN or an inf."""
+    names = [n for n, t in tensors.items() if t.is_floating_point()]
+    if not names:
+        return
+    finite = torch.stack([torch.isfinite(tensors[n]).all() for n in names]).cpu()  # one transfer, not one per tensor
+    if bool(finite.all()):
+        return
+    bad = [n for n, ok in zip(names, finite.tolist()) if not ok]
+    raise NonFiniteWeightsError(
+        f"{what} has non-finite values (NaN or inf) in {len(bad)} tensor(s): {', '.join(bad[:5])}"
+        f"{' ...' if len(bad) > 5 else ''}; refusing to produce its bytes"
+    )
+
+
+def load_policy_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy ``tensors`` into ``model``'s parameters (on whatever device they live). Names sharing
+    storage with another (an lm_head tied to the embeddings) may be absent; anything else missing
+    or unexpected raises ValueError("missing [...], unexpected [...]")."""
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    seen: set[int] = set()
+    tied: set[str] = set()
+    for name, tensor in model.state_dict().items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            tied.add(name)
+        seen.add(ptr)
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"missing {missing}, unexpected {unexpected}")
+
+
+# ----------------------------------------------------------------------------------- scoring
+
+
+@dataclass
+class TokenScores:
+    """Per completion token, ``[B, L]`` and aligned with ``input_ids`` (0 where not scored).
+
+    ``logprobs``: log softmax(logits / T)[token] over the full vocabulary: the engines' behaviour
+    logprob convention (rollout/engines/base.py), and bit for bit `token_logprobs`'s value.
+    The rest is None when typicality was not asked for: ``surprisal`` = -log π(token) under the
+    sampling distribution π (T, then top-p truncation, renormalised; for a token outside the
+    nucleus, the value it would have inside); ``entropy`` H(π); ``variance`` Var_{x~π}[-log π(x)];
+    ``outside``: the token is outside the nucleus (an honest engine samples it only by rounding).
+    """
+
+    logprobs: torch.Tensor
+    surprisal: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    variance: torch.Tensor | None = None
+    outside: torch.Tensor | None = None
+
+    def rows(self, index: torch.Tensor) -> TokenScores:
+        return TokenScores(*(None if t is None else t[index] for t in
+                             (self.logprobs, self.surprisal, self.entropy, self.variance, self.outside)))
+
+
+def _sampling_stats(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+    """For logits ``[r, n, V]`` (already / T) and targets ``[r, n]``: surprisal, entropy, variance, outside."""
+    logp = torch.log_softmax(logits, dim=-1)
+    if top_p < 1.0:
+        # The engine's rule (engines/hf.py `_sample`): sorted by probability, a token is kept while
+        # the mass ranked above it is still short of top_p; the top one always is.
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        sorted_p = sorted_logp.exp()
+        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        log_mass = torch.logsumexp(logp.masked_fill(drop, -math.inf), dim=-1, keepdim=True)
+        log_pi = (logp - log_mass).masked_fill(drop, -math.inf)
+        outside = drop.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        log_mass = torch.zeros_like(logp[..., :1])
+        log_pi = logp
+        outside = torch.zeros_like(targets, dtype=torch.bool)
+    pi = log_pi.exp()
+    plogpi = torch.where(pi > 0, pi * log_pi, torch.zeros_like(pi))
+    entropy = -plogpi.sum(dim=-1)
+    centred = torch.where(pi > 0, log_pi + entropy.unsqueeze(-1), torch.zeros_like(pi))
+    variance = (pi * centred.square()).sum(dim=-1)
+    surprisal = -(logp.gather(-1, targets.unsqueeze(-1)) - log_mass).squeeze(-1)
+    return surprisal, entropy, variance, outside
+
+
+def score_logits(
+    scored: CompletionLogits,
+    *,
+    top_p: float = 1.0,
+    typicality: bool = True,
+    logprobs: torch.Tensor | None = None,
+    chunk_elements: int = 1 << 25,
+) -> TokenScores:
+    """Score every completion token from logits a forward already produced (no gradient flows).
+
+    ``logprobs`` (``scored.token_logprobs()``, when the caller has it already) is detached and
+    reused. With ``typicality``, the sampling statistics are computed ``chunk_elements`` logits at
+    a time (2^25 floats: 128 MiB of scratch per chunk, a few times over for the top-p sort).
+    """
+    with torch.no_grad():
+        logits = scored.logits.detach()
+        detached = CompletionLogits(logits, scored.targets, scored.first, scored.keep)
+        logprobs = detached.token_logprobs() if logprobs is None else logprobs.detach()
+        if not typicality:
+            return TokenScores(logprobs)
+        batch, n = scored.targets.shape
+        if n == 0 or logits.shape[1] == 0:
+            zeros = torch.zeros_like(logprobs)
+            return TokenScores(logprobs, zeros, zeros.clone(), zeros.clone(), zeros.bool())
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        rows = max(1, chunk_elements // max(1, n * logits.shape[-1]))
+        for start in range(0, batch, rows):
+            stats = _sampling_stats(logits[start:start + rows], scored.targets[start:start + rows], top_p)
+            for part, value in zip(parts, stats):
+                part.append(value)
+        surprisal, entropy, variance, outside = (torch.cat(p) for p in parts)
+        return TokenScores(
+            logprobs, detached.spread(surprisal), detached.spread(entropy), detached.spread(variance),
+            detached.spread(outside.float()).bool(),
+        )
+
+
+def score_tokens(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    typicality: bool = True,
+    chunk_elements: int = 1 << 25,
+) -> TokenScores:
+    """One no_grad forward of ``model`` scoring every completion token (see `score_logits`).
+
+    ``logprobs`` equals ``token_logprobs(model, ...)`` (same code path).
+    """
+    with torch.no_grad():
+        scored = completion_logits(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+        return score_logits(scored, top_p=top_p, typicality=typicality, chunk_elements=chunk_elements)
+
+
+def typicality_z(scores: TokenScores, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """z of each row and of all rows together: Σ (surprisal - entropy) / sqrt(Σ variance + floor)
+    over the tokens where ``mask`` is set. Returns (``[B]`` per sequence, a 0-dim tensor for the lot)."""
+    assert scores.surprisal is not None and scores.entropy is not None and scores.variance is not None
+    keep = mask.bool()
+    zero = torch.zeros_like(scores.surprisal)
+    excess = torch.where(keep, scores.surprisal - scores.entropy, zero).sum(dim=1)
+    variance = torch.where(keep, scores.variance, zero).sum(dim=1)
+    per_row = excess / torch.sqrt(variance + VARIANCE_FLOOR)
+    together = excess.sum() / torch.sqrt(variance.sum() + VARIANCE_FLOOR)
+    return per_row, together
+
+
+# ----------------------------------------------------------------------------------- verdicts
+
+
+@dataclass(frozen=True)
+class Refusal:
+    peer_id: str
+    prompt_id: str
+    reason: str
+    detail: str = ""
+
+    def as_tuple(self) -> tuple[str, str, str]:
+        return (self.peer_id, self.prompt_id, self.reason)
+
+
+@dataclass
+class VerifyResult:
+    """What `Verifier.check` decided for one batch."""
+
+    keep: list[bool]  # per group, in the order given
+    refusals: list[Refusal] = field(default_factory=list)
+    checked: int = 0  # groups that went through the plausibility checks
+    exact: int = 0  # groups compared with their own version's logprobs (version t ones included)
+    unavailable: int = 0  # groups an exact check was wanted for, whose version's weights were not there
+    refused: Counter[str] = field(default_factory=Counter)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "refused_groups": [r.as_tuple() for r in self.refusals],
+            "verify_checked": self.checked,
+            "verify_exact": self.exact,
+            "verify_unavailable": self.unavailable,
+            "verify_refused": dict(self.refused),
+        }
+
+
+@dataclass
+class _Pending:
+    """One group under check."""
+
+    index: int
+    group: Group
+    rows: torch.Tensor  # its row indices in the batch (on the CPU)
+    staleness: int
+    reason: str | None = None
+    detail: str = ""
+    want_exact: bool = False
+    exact_done: bool = False
+    z: float = 0.0  # max of the group z and its sequences' z, under the best distribution available
+
+
+class Verifier:
+    """Decides which groups of a batch may train (see the module docstring).
+
+    >>> verifier = Verifier(VerifyConfig(), temperature=1.0, top_p=1.0, weights_of=store_weights,
+    ...                     make_spare=lambda: fresh_model_like(policy))
+    >>> with torch.no_grad():
+    ...     scores = score_tokens(policy, ids, attn, comp, temperature=1.0)
+    >>> result = verifier.check(groups, rows, current_version=7, input_ids=ids, attention_mask=attn,
+    ...                         completion_mask=comp, behaviour=behaviour, scores=scores)
+    >>> result.keep, result.refusals
+
+    ``rows[i]`` lists the batch rows of ``groups[i]``. Not thread-safe: one step at a time.
+    """
+
+    def __init__(
+        self,
+        config: VerifyConfig,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        weights_of: WeightsOf | None = None,
+        make_spare: Callable[[], torch.nn.Module] | None = None,
+    ):
+        self.config = config
+        self.temperature = temperature
+        self.top_p = top_p
+        self.weights_of = weights_of
+        self.make_spare = make_spare
+        self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, LRU order
+        self._rng: random.Random = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        self._suspects: dict[str, int] = {}  # peer id -> last check() that refused one of its groups
+        self._checks = 0
+
+    # -- bounds ------------------------------------------------------------------------------
+    def token_bound(self, staleness: int) -> float:
+        return self.config.exact_tolerance + staleness * self.config.token_gap_per_version
+
+    def mean_bound(self, staleness: int) -> float:
+        return self.config.exact_mean_tolerance + staleness * self.config.mean_gap_per_version
+
+    # -- the check ---------------------------------------------------------------------------
+    def check(
+        self,
+        groups: Sequence[Group],
+        rows: Sequence[Sequence[int]],
+        *,
+        current_version: int,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        completion_mask: torch.Tensor,
+        behaviour: torch.Tensor,
+        scores: TokenScores,
+    ) -> VerifyResult:
+        self._checks += 1
+        cfg = self.config
+        device = input_ids.device
+        mask = completion_mask.bool()
+        pending = [
+            _Pending(i, g, torch.as_tensor(list(r), dtype=torch.long), current_version - g.version)
+            for i, (g, r) in enumerate(zip(groups, rows, strict=True))
+        ]
+        result = VerifyResult(keep=[True] * len(groups), checked=len(groups))
+        if not pending:
+            return result
+
+        # 1. Plausibility against the proximal logprobs q (the policy at version t), every group.
+        # One transfer of per-row figures to the CPU for the whole batch, not one per group.
+        finite = torch.isfinite(behaviour)
+        claimed_ok = torch.where(mask, finite, torch.ones_like(mask)).all(dim=1)
+        gap = torch.where(mask & finite, (behaviour - scores.logprobs).abs(), torch.zeros_like(behaviour))
+        figures = torch.stack([claimed_ok.float(), gap.amax(dim=1), gap.sum(dim=1), mask.sum(dim=1).float()]).cpu()
+        excess, variance = self._row_typicality(scores, mask)
+        for p in pending:
+            r = p.rows
+            if p.staleness < 0:
+                p.reason, p.detail = "future_version", f"v{p.group.version} > current v{current_version}"
+                continue
+            if not bool(figures[0, r].all()):
+                p.reason, p.detail = "nonfinite_logprob", "a behaviour logprob is NaN or inf"
+                continue
+            max_gap = float(figures[1, r].max())
+            mean_gap = float(figures[2, r].sum() / figures[3, r].sum().clamp(min=1))
+            k = p.staleness
+            if max_gap > self.token_bound(k) or not math.isfinite(max_gap):
+                p.reason = "exact_mismatch" if k == 0 else "token_gap"
+                p.detail = f"max |b - q| = {max_gap:.3g} > {self.token_bound(k):.3g} (staleness {k})"
+            elif mean_gap > self.mean_bound(k):
+                p.reason = "exact_mismatch" if k == 0 else "mean_gap"
+                p.detail = f"mean |b - q| = {mean_gap:.3g} > {self.mean_bound(k):.3g} (staleness {k})"
+            if excess is not None:
+                p.z = self._group_z(excess, variance, r)
+            if k == 0:
+                p.exact_done = True  # q is version t's own logprob: this was the exact check
+            elif p.reason is None:
+                p.want_exact = (
+                    self._rng.random() < cfg.sample_fraction
+                    or max_gap > cfg.suspect_fraction * self.token_bound(k)
+                    or mean_gap > cfg.suspect_fraction * self.mean_bound(k)
+                    or p.z > cfg.typicality_z
+                )
+        refused_now = {p.group.peer_id for p in pending if p.reason is not None}
+        for p in pending:
+            if p.reason is None and p.staleness > 0 and (
+                p.group.peer_id in refused_now
+                or self._checks - self._suspects.get(p.group.peer_id, -(10**9)) <= cfg.suspect_steps
+            ):
+                p.want_exact = True
+
+        # 2. Exact check of the chosen older groups, one forward per version.
+        by_version: dict[int, list[_Pending]] = {}
+        for p in pending:
+            if p.want_exact:
+                by_version.setdefault(p.group.version, []).append(p)
+        for version, members in sorted(by_version.items()):
+            model = self._spare(version)
+            if model is None:
+                result.unavailable += len(members)
+                continue
+            index = torch.cat([p.rows for p in members]).to(device)
+            with torch.no_grad():
+                exact = score_tokens(
+                    model, input_ids[index], attention_mask[index], completion_mask[index],
+                    temperature=self.temperature, top_p=self.top_p, typicality=cfg.typicality_z is not None,
+                )
+            sub_mask = mask[index]
+            sub_gap = torch.where(sub_mask, (behaviour[index] - exact.logprobs).abs(), torch.zeros_like(exact.logprobs))
+            sub_excess, sub_variance = self._row_typicality(exact, sub_mask)
+            sub_figures = torch.stack([sub_gap.amax(dim=1), sub_gap.sum(dim=1), sub_mask.sum(dim=1).float()]).cpu()
+            start = 0
+            for p in members:
+                local = torch.arange(start, start + len(p.rows))
+                start += len(p.rows)
+                p.exact_done = True
+                max_gap = float(sub_figures[0, local].max())
+                mean_gap = float(sub_figures[1, local].sum() / sub_figures[2, local].sum().clamp(min=1))
+                if max_gap > cfg.exact_tolerance:
+                    p.reason = "exact_mismatch"
+                    p.detail = f"v{version}: max |b - e| = {max_gap:.3g} > {cfg.exact_tolerance:.3g}"
+                elif mean_gap > cfg.exact_mean_tolerance:
+                    p.reason = "exact_mismatch"
+                    p.detail = f"v{version}: mean |b - e| = {mean_gap:.3g} > {cfg.exact_mean_tolerance:.3g}"
+                if sub_excess is not None:
+                    p.z = self._group_z(sub_excess, sub_variance, local)  # under the behaviour version itself
+
+        # 3. Typicality, under the behaviour version where it was scored, else under q (a proxy).
+        if cfg.typicality_z is not None:
+            for p in pending:
+                if p.reason is None and p.z > cfg.typicality_z:
+                    p.reason = "atypical_text"
+                    p.detail = (f"typicality z = {p.z:.1f} > {cfg.typicality_z:g} under "
+                                + (f"v{p.group.version}" if p.exact_done else f"v{current_version} (proxy)"))
+
+        for p in pending:
+            result.exact += int(p.exact_done)
+            if p.reason is not None:
+                result.keep[p.index] = False
+                result.refused[p.reason] += 1
+                result.refusals.append(Refusal(p.group.peer_id, p.group.prompt_id, p.reason, p.detail))
+                self._suspects[p.group.peer_id] = self._checks
+                logger.warning("refused group %s from peer %s (v%d at v%d): %s: %s", p.group.prompt_id,
+                               p.group.peer_id[-8:] or "?", p.group.version, current_version, p.reason, p.detail)
+        if len(self._suspects) > 10_000:  # bounded: forget the peers refused longest ago
+            self._suspects = {peer: n for peer, n in self._suspects.items() if self._checks - n <= cfg.suspect_steps}
+        return result
+
+    @staticmethod
+    def _row_typicality(scores: TokenScores, mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per row: Σ (surprisal - entropy) and Σ variance, on the CPU (None without sampling statistics)."""
+        if scores.surprisal is None or scores.entropy is None or scores.variance is None:
+            return None, None
+        zero = torch.zeros_like(scores.surprisal)
+        excess = torch.where(mask, scores.surprisal - scores.entropy, zero).sum(dim=1)
+        variance = torch.where(mask, scores.variance, zero).sum(dim=1)
+        both = torch.stack([excess, variance]).cpu()
+        return both[0], both[1]
+
+    @staticmethod
+    def _group_z(excess: torch.Tensor, variance: torch.Tensor, rows: torch.Tensor) -> float:
+        """The larger of the group's z and its sequences' z (see `typicality_z`)."""
+        e, v = excess[rows], variance[rows]
+        per_row = e / torch.sqrt(v + VARIANCE_FLOOR)
+        group = e.sum() / torch.sqrt(v.sum() + VARIANCE_FLOOR)
+        return float(torch.maximum(per_row.max(), group))
+
+    # -- spare models --------------------------------------------------------------------------
+    def _spare(self, version: int) -> torch.nn.Module | None:
+        """A model holding version ``version``'s weights, or None when they are not available."""
+        if version in self._spares:
+            self._spares.move_to_end(version)
+            return self._spares[version]
+        if self.weights_of is None or self.make_spare is None:
+            return None
+        try:
+            weights = self.weights_of(version)
+        except Exception as e:  # a store mid-collection, a file gone: no exact check, not a crash
+            logger.warning("verify: weights of v%d unavailable (%s: %s)", version, type(e).__name__, e)
+            return None
+        if weights is None:
+            return None
+        if isinstance(weights, (str, Path)):
+            weights = _read_model_dir(Path(weights))
+        if len(self._spares) >= max(1, self.config.spare_models):
+            _, model = self._spares.popitem(last=False)  # reuse the least recently used copy's memory
+        else:
+            model = self.make_spare()
+            model.requires_grad_(False)
+            model.eval()
+        try:
+            load_policy_weights(model, weights)
+        except ValueError as e:
+            logger.warning("verify: weights of v%d do not fit the policy: %s", version, e)
+            return None
+        self._spares[version] = model
+        return model
+
+
+def _read_model_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(file, device="cpu"))
+    if not tensors:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    return tensors

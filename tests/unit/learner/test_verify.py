@@ -1,0 +1,392 @@
+"""The learner's verification of rollout groups (learner/verify.py) inside GRPOTrainer.step.
+
+Real tiny model, real transformers engine, real training steps: honest groups come from the
+engine at the version they claim, published to disk as the learner does; crafted groups are what
+a hostile peer could send.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from echo2swarm.config.rl import TrainConfig, VerifyConfig
+from echo2swarm.learner.buffer import Group
+from echo2swarm.learner.grpo import token_logprobs
+from echo2swarm.learner.trainer import GRPOTrainer
+from echo2swarm.learner.verify import (
+    NonFiniteWeightsError,
+    Verifier,
+    VerifyResult,
+    _sampling_stats,
+    score_tokens,
+    typicality_z,
+)
+from echo2swarm.rollout.engines.base import SamplingParams
+from echo2swarm.rollout.engines.hf import TransformersEngine
+from echo2swarm.tasks.arith import ArithTask
+
+TASK = ArithTask(seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Lab trainers use one torch thread (tiny batches: more threads only wait on each other);
+    the process setting is restored for the tests that run after these."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+class Lab:
+    """A trainer, versions published to disk after each step as the learner does, and an engine
+    that follows them."""
+
+    def __init__(self, model_dir: Path, root: Path, *, verify: VerifyConfig | None = None, lr: float = 3e-4,
+                 temperature: float = 1.0, top_p: float = 1.0, engine_dtype: torch.dtype = torch.float32,
+                 group_size: int = 8):
+        self.model_dir, self.root = model_dir, root
+        self.config = TrainConfig(device="cpu", lr=lr, temperature=temperature, top_p=top_p, group_size=group_size,
+                                  threads=1)
+        self.trainer = GRPOTrainer(model_dir, self.config, verify=verify or VerifyConfig(seed=0),
+                                   weights_of=self.weights_of)
+        self.engine = TransformersEngine(model_dir, device="cpu", threads=1, dtype=engine_dtype)
+        self.version = self.engine_version = 1
+        self.publish()
+
+    def dir(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def weights_of(self, version: int) -> Path | None:
+        return self.dir(version) if self.dir(version).is_dir() else None
+
+    def publish(self) -> None:
+        out = self.dir(self.version)
+        out.mkdir(parents=True)
+        for f in self.model_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, out / f.name)
+        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes())
+
+    def generate(self, indices: range | list[int], version: int, seed: int, peer: str = "honest") -> list[Group]:
+        if self.engine_version != version:
+            self.engine.load_weights(self.dir(version))
+            self.engine_version = version
+        prompts = [TASK.prompt(i) for i in indices]
+        outputs = self.engine.generate([p.text for p in prompts], SamplingParams(
+            n=self.config.group_size, max_new_tokens=self.config.max_new_tokens,
+            temperature=self.config.temperature, top_p=self.config.top_p, seed=seed))
+        return [self.group(p.prompt_id, version, [c.token_ids for c in outs], [c.logprobs for c in outs],
+                           [c.finish_reason for c in outs], peer) for p, outs in zip(prompts, outputs)]
+
+    def group(self, prompt_id: str, version: int, completions: list[list[int]], logprobs: list[list[float]],
+              finish: list[str], peer: str, rewards: list[float] | None = None) -> Group:
+        index = int(prompt_id.split(":")[1])
+        return Group(
+            prompt_id=prompt_id, version=version, prompt_ids=self.trainer.encode_prompt(TASK.prompt(index).text),
+            completions=completions, behaviour_logprobs=logprobs, finish_reasons=finish, peer_id=peer,
+            rewards=rewards if rewards is not None else
+            [TASK.reward(prompt_id, self.trainer.decode(c), f == "stop") for c, f in zip(completions, finish)],
+        )
+
+    def training_groups(self, indices: range, seed: int) -> list[Group]:
+        """Honest groups of the current version with rewards 1, 0, 1, 0, ...: the untrained model
+        never answers right, and a step on all-zero rewards would not move the policy."""
+        groups = self.generate(indices, self.version, seed)
+        for group in groups:
+            group.rewards = [float(i % 2 == 0) for i in range(len(group.completions))]
+        return groups
+
+    def train(self, groups: list[Group]) -> dict:
+        """A real step at the current version, then the next version is published."""
+        stats = self.trainer.step(groups, current_version=self.version)
+        self.version += 1
+        self.publish()
+        return stats
+
+    def check(self, verifier: Verifier, groups: list[Group]) -> VerifyResult:
+        """Verification alone (no training) at the current version."""
+        batch = self.trainer.build_batch(groups)
+        scores = score_tokens(self.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                              temperature=self.config.temperature, top_p=self.config.top_p)
+        return verifier.check(groups, self.trainer._group_rows(groups), current_version=self.version,
+                              input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores)
+
+    def verifier(self, **config) -> Verifier:
+        return Verifier(VerifyConfig(seed=0, **config), temperature=self.config.temperature, top_p=self.config.top_p,
+                        weights_of=self.weights_of, make_spare=self.trainer._spare_model)
+
+    def true_logprobs(self, group: Group, version: int) -> Group:
+        """`group` with the behaviour logprobs `version` really gives its tokens (teacher forcing)."""
+        model = self.trainer._spare_model()
+        model.load_state_dict(load_file(self.dir(version) / "model.safetensors"), strict=False)
+        batch = self.trainer.build_batch([group])
+        with torch.no_grad():
+            lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                temperature=self.config.temperature)
+        group.behaviour_logprobs = [lp[r, lp.shape[1] - len(c):].tolist() for r, c in enumerate(group.completions)]
+        return group
+
+
+def state(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
+
+
+def all_finite(trainer: GRPOTrainer) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in trainer.model.state_dict().values())
+
+
+def answer_group(lab: Lab, index: int, version: int, logprob: float, peer: str) -> Group:
+    """The right answer G times, with a constant made-up logprob: a worker that runs no model."""
+    eos = lab.trainer.tokenizer.eos_token_id
+    answer = lab.trainer.encode_prompt(TASK.answer(index)) + [eos]
+    g = lab.config.group_size
+    return lab.group(TASK.prompt(index).prompt_id, version, [answer] * g, [[logprob] * len(answer)] * g,
+                     ["stop"] * g, peer)
+
+
+# ---------------------------------------------------------------------------------- hostile
+
+
+def test_absurd_logprobs_are_refused_and_the_weights_stay_finite(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lab = Lab(tiny_model_dir, tmp_path)
+    honest = lab.generate(range(6), 1, seed=1)
+    one = lab.group(honest[0].prompt_id, 1, honest[0].completions,
+                    [[-1e30 if (i, j) == (3, 0) else lp for j, lp in enumerate(lps)]
+                     for i, lps in enumerate(honest[0].behaviour_logprobs)], honest[0].finish_reasons, "mallory")
+    every = lab.group(honest[1].prompt_id, 1, honest[1].completions,
+                      [[-1e30] * len(c) for c in honest[1].completions], honest[1].finish_reasons, "mallory",
+                      rewards=[1.0] + [0.0] * 7)
+    stats = lab.train(honest[2:] + [one, every])
+    assert sorted(stats["refused_groups"]) == sorted([("mallory", one.prompt_id, "exact_mismatch"),
+                                                      ("mallory", every.prompt_id, "exact_mismatch")])
+    assert stats["verify_refused"] == {"exact_mismatch": 2}
+    assert stats["groups_trained"] == 4 and stats["verify_checked"] == 6 and stats["skipped_nonfinite"] == 0
+    assert stats["sequences"] == 4 * 8 and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+    assert all_finite(lab.trainer)  # and v2 was signed-ready: publish() ran weights_bytes()
+
+    # One version old, the absurd group is refused by its gap to the current policy.
+    older = lab.generate(range(10, 14), 1, seed=2)
+    stale_bad = lab.group(older[0].prompt_id, 1, older[0].completions,
+                          [[-1e30] * len(c) for c in older[0].completions], older[0].finish_reasons, "mallory")
+    stats = lab.train(older[1:] + [stale_bad] + lab.generate(range(20, 22), 2, seed=3))
+    assert stats["refused_groups"] == [("mallory", stale_bad.prompt_id, "token_gap")]
+    assert stats["stale_sequences"] == 3 * 8 and stats["skipped_nonfinite"] == 0
+    assert all_finite(lab.trainer)
+
+
+def test_constant_logprob_answers_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lab = Lab(tiny_model_dir, tmp_path)
+    honest = lab.generate(range(4), 1, seed=1)
+    crafted = [answer_group(lab, 100 + i, 1, logprob, f"lazy{i}") for i, logprob in enumerate((-0.01, -0.5, -2.0))]
+    stats = lab.train(honest + crafted)
+    assert sorted(r[2] for r in stats["refused_groups"]) == ["exact_mismatch"] * 3
+    assert {r[0] for r in stats["refused_groups"]} == {"lazy0", "lazy1", "lazy2"}
+    assert stats["groups_trained"] == 4
+
+    # A group one version old: the current policy is no exact reference any more; a peer refused
+    # before has all its older groups checked exactly, under the version they claim.
+    stale = answer_group(lab, 200, 1, -0.5, "lazy1")
+    result = lab.check(lab.trainer.verifier, lab.generate(range(30, 33), 2, seed=2) + [stale])
+    assert result.keep == [True, True, True, False]
+    assert result.refusals[0].reason in ("exact_mismatch", "token_gap", "mean_gap")
+    # The same from a peer with no history, with every older group sampled for the exact check.
+    fresh = answer_group(lab, 201, 1, -0.5, "newcomer")
+    result = lab.check(lab.verifier(sample_fraction=1.0), [fresh])
+    assert result.keep == [False] and result.exact + result.refused["token_gap"] + result.refused["mean_gap"] >= 1
+
+
+def test_exact_check_catches_logprobs_of_another_version(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # A large learning rate, so one step moves the logprobs well past the tolerance; stale
+    # bounds wide open, so only the exact check can tell.
+    lab = Lab(tiny_model_dir, tmp_path, lr=1e-2)
+    from_v1 = lab.generate(range(8), 1, seed=1)
+    lab.train(lab.training_groups(range(100, 116), seed=2))
+    from_v2 = lab.generate(range(8, 12), 2, seed=3)
+    lab.train(lab.training_groups(range(200, 216), seed=4))
+    mislabelled = [lab.group(g.prompt_id, 2, g.completions, g.behaviour_logprobs, g.finish_reasons, "liar")
+                   for g in from_v1[4:]]
+    verifier = lab.verifier(sample_fraction=1.0, token_gap_per_version=100.0, mean_gap_per_version=100.0,
+                            typicality_z=None, spare_models=1)
+    result = lab.check(verifier, from_v1[:4] + from_v2 + mislabelled)
+    assert result.keep == [True] * 8 + [False] * 4
+    assert {r.reason for r in result.refusals} == {"exact_mismatch"} and result.exact == 12
+    assert len(verifier._spares) == 1  # one spare model, reloaded per version
+
+    # Version weights given as tensors rather than a directory work the same.
+    by_tensors = Verifier(verifier.config, temperature=1.0, weights_of=lambda v: load_file(
+        lab.dir(v) / "model.safetensors"), make_spare=lab.trainer._spare_model)
+    assert lab.check(by_tensors, from_v2 + mislabelled[:1]).keep == [True] * 4 + [False]
+    # Without any weights for older versions nothing is refused for want of a check.
+    blind = Verifier(verifier.config, temperature=1.0)
+    result = lab.check(blind, mislabelled)
+    assert result.keep == [True] * 4 and result.unavailable == 4 and result.exact == 0
+
+
+@pytest.fixture(scope="module")
+def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its final norm scaled up: peaked next-token distributions, as a trained
+    model has, so that text can be far less probable than sampling gives."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("sharp") / "model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(25.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_typicality_refuses_text_the_policy_would_not_sample(sharp_model_dir: Path, tmp_path: Path,
+                                                              temperature: float, top_p: float) -> None:
+    lab = Lab(sharp_model_dir, tmp_path, temperature=temperature, top_p=top_p)
+    honest = lab.generate(range(12), 1, seed=1)
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    eos = lab.trainer.tokenizer.eos_token_id
+    made_up = []
+    for i in range(3):
+        completions = [lab.trainer.encode_prompt("".join(rng.choice(letters) for _ in range(5))) + [eos]
+                       for _ in range(8)]
+        made_up.append(lab.true_logprobs(lab.group(TASK.prompt(300 + i).prompt_id, 1, completions,
+                                                   [[0.0] * len(c) for c in completions], ["stop"] * 8, "writer"), 1))
+    stats = lab.train(honest + made_up)
+    assert stats["verify_refused"] == {"atypical_text": 3}
+    assert {r[0] for r in stats["refused_groups"]} == {"writer"} and stats["groups_trained"] == 12
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_honest_groups_pass_fresh_and_stale(tiny_model_dir: Path, tmp_path: Path, engine_dtype: torch.dtype) -> None:
+    lab = Lab(tiny_model_dir, tmp_path, engine_dtype=engine_dtype, verify=VerifyConfig())  # defaults, unseeded
+    pools = {1: lab.generate(range(16), 1, seed=1)}
+    for version in (1, 2):  # two real training steps on honest groups: v2, v3
+        stats = lab.train(lab.training_groups(range(1000 * version, 1000 * version + 16), seed=10 + version))
+        assert stats["refused_groups"] == [] and stats["groups_trained"] == 16
+        pools[version + 1] = lab.generate(range(100 * version, 100 * version + 16), version + 1, seed=version)
+    assert lab.version == 3
+    mixed = pools[1] + pools[2] + pools[3]  # staleness 2, 1 and 0
+
+    # Every group checked exactly under its own version: all pass.
+    result = lab.check(lab.verifier(sample_fraction=1.0), mixed)
+    assert result.refusals == [] and result.exact == 48 and result.unavailable == 0
+    # And a real step at default settings trains on all of them.
+    stats = lab.train(mixed)
+    assert stats["refused_groups"] == [] and stats["verify_refused"] == {}
+    assert stats["verify_checked"] == 48 and stats["verify_exact"] >= 16 and stats["groups_trained"] == 48
+    assert stats["stale_sequences"] == 32 * 8 and stats["skipped_nonfinite"] == 0
+
+
+# ---------------------------------------------------------------------------------- non-finite
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model_dir: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    lab = Lab(tiny_model_dir, tmp_path, verify=VerifyConfig(enabled=False))  # what the learner did before
+    honest = lab.generate(range(3), 1, seed=1)
+    absurd = lab.group(honest[0].prompt_id, 1, honest[0].completions,
+                       [[-1e30] * len(c) for c in honest[0].completions], honest[0].finish_reasons, "mallory",
+                       rewards=[1.0] + [0.0] * 7)
+    before = state(lab.trainer)
+    with caplog.at_level(logging.ERROR, logger="echo2swarm.learner.trainer"):
+        stats = lab.trainer.step(honest[1:] + [absurd], current_version=1)
+    assert stats["skipped_nonfinite"] == 1 and not math.isfinite(stats["loss"])
+    assert lab.trainer.skipped_nonfinite == 1
+    assert any(r.levelno == logging.ERROR and "SKIPPED" in r.getMessage() for r in caplog.records)
+    assert all(torch.equal(t, before[n]) for n, t in lab.trainer.model.state_dict().items())
+    assert not lab.trainer.optimizer.state  # AdamW never stepped
+    assert all(p.grad is None for p in lab.trainer.model.parameters())
+    lab.trainer.weights_bytes()  # still finite, still publishable
+
+
+def test_nonfinite_gradient_norm_skips_the_step(tiny_model_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = Lab(tiny_model_dir, tmp_path)
+    groups = lab.generate(range(3), 1, seed=1)
+    before = state(lab.trainer)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("nan")))
+    stats = lab.trainer.step(groups, current_version=1)
+    assert stats["skipped_nonfinite"] == 1 and math.isfinite(stats["loss"]) and math.isnan(stats["grad_norm"])
+    assert all(torch.equal(t, before[n]) for n, t in lab.trainer.model.state_dict().items())
+
+
+def test_a_batch_with_every_group_refused_trains_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lab = Lab(tiny_model_dir, tmp_path)
+    crafted = [answer_group(lab, i, 1, -0.01, "lazy") for i in range(3)]
+    before = state(lab.trainer)
+    stats = lab.trainer.step(crafted, current_version=1)
+    assert stats["groups_trained"] == 0 and stats["loss"] == 0.0 and stats["sequences"] == 0
+    assert stats["verify_refused"] == {"exact_mismatch": 3} and len(stats["refused_groups"]) == 3
+    assert stats["skipped_nonfinite"] == 0
+    assert all(torch.equal(t, before[n]) for n, t in lab.trainer.model.state_dict().items())
+    assert not lab.trainer.optimizer.state
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_weights_bytes_refuses_nonfinite_tensors(tiny_model_dir: Path, tmp_path: Path, bad: float) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"))
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if "mlp" in n)
+    with torch.no_grad():
+        kept = param.view(-1)[0].item()
+        param.view(-1)[0] = bad
+    with pytest.raises(NonFiniteWeightsError, match=rf"non-finite .* {name}"):
+        trainer.weights_bytes()
+    with pytest.raises(NonFiniteWeightsError):
+        trainer.save_model_dir(tmp_path / "final")
+    assert not (tmp_path / "final").exists()
+    with torch.no_grad():
+        param.view(-1)[0] = kept
+    assert trainer.weights_bytes()
+
+
+# ---------------------------------------------------------------------------------- maths and API
+
+
+def test_sampling_statistics_by_hand() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().view(1, 1, 4)
+    surprisal, entropy, variance, outside = _sampling_stats(logits, torch.tensor([[1]]), top_p=1.0)
+    h = float(-(probs * probs.log()).sum())
+    assert float(entropy) == pytest.approx(h, rel=1e-5)
+    assert float(variance) == pytest.approx(float((probs * (-probs.log() - h) ** 2).sum()), rel=1e-5)
+    assert float(surprisal) == pytest.approx(-math.log(0.3), rel=1e-5) and not bool(outside)
+    # top_p 0.7: the nucleus is {0.5, 0.3} (mass above 0.15 is 0.8 >= 0.7), renormalised.
+    surprisal, entropy, variance, outside = _sampling_stats(logits, torch.tensor([[2]]), top_p=0.7)
+    pi = torch.tensor([0.5, 0.3]) / 0.8
+    h = float(-(pi * pi.log()).sum())
+    assert float(entropy) == pytest.approx(h, rel=1e-5)
+    assert float(variance) == pytest.approx(float((pi * (-pi.log() - h) ** 2).sum()), rel=1e-5)
+    assert bool(outside) and float(surprisal) == pytest.approx(-math.log(0.15 / 0.8), rel=1e-5)
+
+
+def test_score_tokens_matches_token_logprobs_and_honest_z_is_small(tiny_model_dir: Path, tmp_path: Path) -> None:
+    lab = Lab(tiny_model_dir, tmp_path)
+    groups = lab.generate(range(8), 1, seed=5)
+    batch = lab.trainer.build_batch(groups)
+    scores = score_tokens(lab.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                          temperature=1.0)
+    with torch.no_grad():
+        plain = token_logprobs(lab.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert torch.equal(scores.logprobs, plain)
+    per_row, together = typicality_z(scores, batch.completion_mask)
+    assert per_row.shape == (64,) and float(per_row.max()) < 6 and abs(float(together)) < 4
+
+
+def test_verify_config_is_a_learner_section() -> None:
+    from echo2swarm.config.models import LearnerConfig
+
+    field = LearnerConfig.model_fields["verify"]
+    assert field.default_factory is VerifyConfig
+    with pytest.raises(ValueError):
+        VerifyConfig(sample_fraction=1.5)
+    with pytest.raises(ValueError):
+        VerifyConfig(unknown=1)
