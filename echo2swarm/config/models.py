@@ -14,7 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
-from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, TrainConfig, VerifyConfig, WorkerConfig
+from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, PeersConfig, TrainConfig, VerifyConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
@@ -407,3 +407,4 @@ DaemonConfig = Annotated[
     Union[LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig], Field(discriminator="role")
 ]
 FollowerConfig = Union[RolloutConfig, RelayConfig]
+    peers: PeersConfig = Field(default_factory=PeersConfig)

@@ -95,6 +95,53 @@ class LeaseConfig(_Section):
     )
 
 
+class PeersConfig(_Section):
+    """How the learner holds rollout peers to account (learner/accountability.py): caps and bans.
+
+    A public swarm is joined by strangers: a peer's claims count once it delivers, and a peer caught
+    lying is banned for the run (its groups dropped, its leases re-issued, its card ignored).
+    """
+
+    enabled: bool = Field(True, description="Apply the caps and bans below; off: trust every peer (closed swarms).")
+    probation_prompts: int = Field(
+        2, ge=1, le=256, description="Prompts a peer that has delivered nothing yet may hold at once.",
+    )
+    max_open_leases: int = Field(
+        3, ge=1, le=64, description="Leases one peer may hold at once (a worker prefetches one ahead).",
+    )
+    window_s: float = Field(60.0, gt=0, le=3600, description="Window, in seconds, of max_undelivered_prompts.")
+    max_undelivered_prompts: int = Field(
+        64, ge=1, le=100_000, description="Prompts one peer may have taken and not delivered within window_s; a "
+        "client that polls for work and never submits holds no more.",
+    )
+    ban_after_violations: int = Field(
+        3, ge=1, le=1000, description="Groups an honest peer never sends (no lease for them, malformed, bad "
+        "shapes or logprobs, undecodable) after which the peer is banned for the run.",
+    )
+    ban_after_verify_failures: int = Field(
+        2, ge=1, le=1000, description="Groups refused by the learner's verification (logprobs that do not match "
+        "the behaviour version, text the policy would not sample) after which the peer is banned for the run.",
+    )
+    ban_after_lapsed_leases: int = Field(
+        4, ge=1, le=1000, description="Leases in a row that lapse with nothing delivered after which the peer is "
+        "banned for the run.",
+    )
+    capped_retry_s: float = Field(
+        1.0, gt=0, le=60, description="Seconds a peer at its cap (open leases, undelivered prompts, probation) is "
+        "told to wait before asking again; its request is answered at once, never held.",
+    )
+    max_tracked_peers: int = Field(
+        10_000, ge=16, le=1_000_000, description="Peers (and bans) remembered at most; bounds the learner's memory "
+        "under a flood of fresh peer ids.",
+    )
+
+    @model_validator(mode="after")
+    def _probation_below_the_cap(self) -> "PeersConfig":
+        if self.probation_prompts > self.max_undelivered_prompts:
+            raise ValueError("peers.probation_prompts must not exceed peers.max_undelivered_prompts")
+        return self
+
+
 class VLLMOptions(_Section):
     """Settings only the vLLM engine reads (`[engine.vllm]`); the transformers engine ignores them."""
 

@@ -72,7 +72,12 @@ class LearnerService:
         from echo2swarm.tasks.registry import get_task
 
         model_dir = Path(self.config.publish.model)  # type: ignore[arg-type]
-        self.trainer = await asyncio.to_thread(GRPOTrainer, model_dir, self.train)
+        versions = self.ctx.versions
+        self.trainer = await asyncio.to_thread(
+            GRPOTrainer, model_dir, self.train, verify=self.config.verify,
+            # Behaviour versions within the staleness window are on disk: the learner keeps S + 4 versions.
+            weights_of=lambda v: versions.dir(v) if versions.installed(v) else None,
+        )
         task = get_task(self.train.task, seed=self.train.seed, **self.train.task_options)
         cursor, requeue = 0, []
         checkpoint = await asyncio.to_thread(load_latest, self.run_dir)
@@ -99,6 +104,7 @@ class LearnerService:
             limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, self.trainer.vocab_size,
                                self.trainer.eos_token_ids),
             version=self.version, cursor=cursor, requeue=requeue, gate=self.activation, head_json=self._head_json(),
+            peers=self.config.peers,
         )
         p2p, swarm = self.ctx.overlay.p2p, self.config.overlay.swarm
         await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
@@ -151,8 +157,7 @@ class LearnerService:
             if stop.is_set():
                 return False
             self.intake.wake.clear()
-            if self.intake.leases.expire(self.intake.clock()):
-                self.intake.work_freed()
+            self.intake.expire_leases()
             if time.monotonic() - last_check > self.config.overlay.announce_period_s:
                 last_check = time.monotonic()
                 await self._revoke_departed()
@@ -172,7 +177,8 @@ class LearnerService:
         assert self.intake is not None and self.metrics is not None
         intake, train = self.intake, self.train
         while self.steps_done < train.steps and not stop.is_set():
-            self.activation.ensure_running(stop, self.ctx.overlay.get_cards, lambda: set(intake.seen))
+            # Banned peers are out of the plan; `seen` is every peer that asked for work.
+            self.activation.ensure_running(stop, self.ctx.overlay.get_cards, lambda: set(intake.seen) - set(intake.ledger.bans))
             step_started = time.monotonic()
             if not await self._wait_for_batch(stop):
                 break
@@ -182,6 +188,9 @@ class LearnerService:
             # and a group too old for it is refused now rather than buffered only to go stale.
             intake.advance(self.version + 1)  # the batch left the buffer: held lease requests can be answered
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
+            for peer, prompt_id, reason in stats.pop("refused_groups", []):
+                logger.warning("group %s from %s failed verification (%s): not trained on", prompt_id, peer, reason)
+                intake.strike(peer, f"verify_{reason}")
             self.steps_done += 1
             trained_version = self.version
             self.version += 1
@@ -196,7 +205,8 @@ class LearnerService:
             self.wait_s += waited
             self.busy_s += busy
             self.activation.on_step(busy)
-            self.recent_rewards.append(stats["reward_mean"])
+            if stats.get("groups_trained", len(groups)):  # a step whose every group was refused trained nothing
+                self.recent_rewards.append(stats["reward_mean"])
             self.metrics.write({
                 "step": self.steps_done, "version": trained_version, "published_version": intake.published_version,
                 "time_s": round(time.monotonic() - started, 3), **{k: _round(v) for k, v in stats.items()},
@@ -256,7 +266,8 @@ class LearnerService:
                                "t_bcast": {str(v): round(t, 3) for v, t in self.broadcast.t_bcast.items()}}
         if self.intake is not None:
             out.update(accepted=self.intake.accepted, refused=dict(self.intake.refused),
-                       dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats))
+                       dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats),
+                       peers=self.intake.ledger.snapshot())
         out["capacity"] = self.activation.snapshot()
         return out
 

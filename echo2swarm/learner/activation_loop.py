@@ -69,6 +69,10 @@ class LearnerActivation:
         self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(rollouts / seconds)
         self.l_gen.add(seconds if latency is None else latency)
 
+    def on_lapse(self, peer: str) -> None:
+        """A lease of `peer` lapsed undelivered: its delivered rate takes a zero sample."""
+        self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(0.0)
+
     def inputs(self) -> CapacityInputs | None:
         if self.t_train.value is None or self.t_train.samples < self.config.min_steps:
             return None
@@ -81,8 +85,8 @@ class LearnerActivation:
     # -- gate ----------------------------------------------------------------------------------
     def gate(self, peer: str) -> str | None:
         """None if `peer` may get work now; else why it is on standby."""
-        if not self.config.enabled or not self.planned or peer in self.controller.active:
-            return None
+        if not self.config.enabled or not self.planned or peer in self.controller.active or peer not in self.workers:
+            return None  # peers outside the plan (newcomers on probation) may earn a measured rate
         floor = self.last_plan.get("floor")
         return f"the active set meets the floor ({floor:.3g} rollouts/s) more cheaply" if floor else "not planned yet"
 
@@ -101,8 +105,11 @@ class LearnerActivation:
         for card in cards:
             if card.role != "rollout" or card.state == "stopping" or card.peer_id not in seen:
                 continue
+            # The card's rollouts_per_s is a claim; only what the peer delivered here counts (a lapsed
+            # lease as zero). A peer that has delivered nothing yet is on probation: not planned, so it
+            # can never put peers that deliver on standby, and never gated, so it can earn a rate.
             ewma = self.delivered.get(card.peer_id)
-            mu = ewma.value if ewma is not None and ewma.value is not None else card.rollouts_per_s
+            mu = ewma.value if ewma is not None else None
             if mu is not None and mu > 0:
                 workers[card.peer_id] = Worker(card.peer_id, mu=float(mu), price=card.price)
         self.workers = workers

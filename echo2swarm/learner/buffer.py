@@ -157,6 +157,21 @@ class RolloutBuffer:
         self.taken += len(out)
         return out
 
+    def drop_peer(self, peer_id: str) -> int:
+        """Remove every buffered group of `peer_id` (it was banned), counted as `banned`; returns how many."""
+        dropped = 0
+        for version in list(self._by_version):
+            bucket = self._by_version[version]
+            kept = collections.deque(g for g in bucket if g.peer_id != peer_id)
+            dropped += len(bucket) - len(kept)
+            if kept:
+                self._by_version[version] = kept
+            else:
+                del self._by_version[version]
+        self._size -= dropped
+        self.dropped["banned"] += dropped
+        return dropped
+
     def versions(self) -> dict[int, int]:
         """Groups held per version, for telemetry."""
         return {version: len(bucket) for version, bucket in sorted(self._by_version.items())}

@@ -1,8 +1,14 @@
 """The learner's data intake: serves `rpc_lease` and `rpc_submit` for rollout peers.
 
-    rpc_lease ─► budget check ─► LeaseManager.issue ─► Lease (prompts, sampling, min version, signed head)
-    rpc_submit ─► per group: lease owner? open prompt? version in window? shapes? decodes?
+    rpc_lease ─► banned? ─► standby? ─► the peer's allowance (PeerLedger) ─► budget check
+                  ─► LeaseManager.issue ─► Lease (prompts, sampling, min version, signed head)
+    rpc_submit ─► per group: banned? lease owner? open prompt? version in window? shapes? decodes?
                   ─► reward by the task (ground truth stays here) ─► RolloutBuffer ─► wake the trainer
+
+Accountability (learner/accountability.py): a refusal an honest peer never causes is a strike, a
+lease that lapses undelivered is one too, and the learner's verification of trained groups adds its
+own (`strike`); past a threshold the peer is banned for the run: its open leases are re-issued,
+its buffered groups dropped (counted as `banned`), and every later request or group refused.
 
 Activation: the `WorkGate` it is built with (the learner's cost-aware plan) may answer that a peer
 is on standby; it then gets `LeaseWait(standby=True)` and no work. Each completed submission
@@ -28,7 +34,8 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from echo2swarm.config.rl import LeaseConfig, TrainConfig
+from echo2swarm.config.rl import LeaseConfig, PeersConfig, TrainConfig
+from echo2swarm.learner.accountability import VIOLATIONS, Ban, PeerLedger
 from echo2swarm.learner.buffer import Group, RolloutBuffer
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
 from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
@@ -51,6 +58,9 @@ class WorkGate(Protocol):
     def on_delivery(self, peer: str, rollouts: int, seconds: float, latency: float | None = None) -> None:
         """`peer` delivered `rollouts` it spent `seconds` on, `latency` s after the lease was issued."""
 
+    def on_lapse(self, peer: str) -> None:
+        """A lease of `peer` lapsed with nothing delivered."""
+
 
 class Intake:
     def __init__(
@@ -67,6 +77,7 @@ class Intake:
         requeue: list[int] | None = None,
         gate: WorkGate | None = None,
         head_json: str | None = None,
+        peers: PeersConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.task = task
@@ -89,6 +100,7 @@ class Intake:
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
         self._seeds = random.Random(train.seed)
         self.gate = gate
+        self.ledger = PeerLedger(peers or PeersConfig())
         self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
         self._carried: dict[str, int] = {}  # peer -> rollouts waiting to be reported with the next delivery
         self.seen: dict[str, float] = {}  # peer -> last lease request (clock)
@@ -108,6 +120,32 @@ class Intake:
     def finish(self) -> None:
         """Training is over: every request is answered `done`."""
         self.done = True
+        self.work_freed()
+
+    def expire_leases(self) -> bool:
+        """Re-issue the prompts of lapsed leases; each lapse counts against its peer. True if any lapsed."""
+        expired = self.leases.expire(self.clock())
+        for lease in expired:
+            if self.gate is not None:
+                self.gate.on_lapse(lease.peer_id)
+            ban = self.ledger.lapsed(lease.peer_id, self.clock())
+            if ban is not None:
+                self._banned(lease.peer_id, ban)
+        if expired:
+            self.work_freed()
+        return bool(expired)
+
+    def strike(self, peer: str, reason: str) -> None:
+        """`peer` sent something an honest peer never sends (here, or found by the trainer's verification)."""
+        ban = self.ledger.strike(peer, reason, self.clock())
+        if ban is not None:
+            self._banned(peer, ban)
+
+    def _banned(self, peer: str, ban: Ban) -> None:
+        revoked = self.leases.drop_peer(peer)
+        dropped = self.buffer.drop_peer(peer)
+        logger.warning("peer %s banned (%s): %d open prompts re-issued, %d buffered groups dropped",
+                       peer, ban.reason, revoked, dropped)
         self.work_freed()
 
     @property
@@ -144,25 +182,34 @@ class Intake:
             left = until - loop.time()
             # Held only while the learner itself has no work: a peer told to fetch a newer version
             # first is answered at once (its next request will carry the version it then holds).
-            if isinstance(reply, Lease) or reply.standby or reply.done or reply.fetch_first or left <= 0:
+            if isinstance(reply, Lease) or reply.standby or reply.done or reply.fetch_first or reply.capped or left <= 0:
                 return reply.model_copy(update={"held_s": min(60.0, loop.time() - since)})
             await wait_any(freed, timeout=left)
 
     def _answer(self, request: LeaseRequest, peer: str) -> Lease | LeaseWait:
         if self.done:
             return LeaseWait(retry_s=5.0, reason="training finished", done=True, head=self.head_json)
-        self.leases.expire(self.clock())
+        self.expire_leases()
+        ban = self.ledger.banned(peer)
+        if ban is not None:
+            return LeaseWait(retry_s=60.0, reason=f"banned for this run: {ban.reason}"[:200], done=True)
         self.seen[peer] = self.clock()
         standby = self.gate.gate(peer) if self.gate is not None else None
         if standby is not None:
             return LeaseWait(retry_s=self.gate.standby_retry_s, reason=f"standby: {standby}"[:200], standby=True,
                              head=self.head_json)
+        allowed = self.ledger.allowance(peer, request.max_prompts, self.leases.open_leases_of(peer), self.clock())
+        if allowed <= 0:
+            why = "deliver the work you hold first" + (" (probation)" if self.ledger.on_probation(peer) else "")
+            return LeaseWait(retry_s=self.ledger.config.capped_retry_s, reason=why, head=self.head_json, capped=True)
         min_version = max(1, self.version - self.train.staleness)
         min_version = min(min_version, self.published_version)
         lease = self.leases.issue(
-            peer, request.max_prompts, budget=self.budget(request.held_version), min_version=min_version,
+            peer, allowed, budget=self.budget(request.held_version), min_version=min_version,
             now=self.clock(), prompt_id_of=lambda i: self.task.prompt(i).prompt_id,
         )
+        if lease is not None:
+            self.ledger.issued(peer, len(lease.prompts), self.clock())
         if lease is None:
             stale = request.held_version is not None and request.held_version < self.published_version
             reason = f"fetch v{self.published_version} first" if stale else "enough work in flight"
@@ -186,7 +233,7 @@ class Intake:
 
         `tally` collects lease id -> (issued at, rollouts accepted) for the delivery measurement.
         """
-        reason = self.leases.check(peer, sub.lease_id, sub.prompt_id)
+        reason = "banned" if self.ledger.banned(peer) is not None else self.leases.check(peer, sub.lease_id, sub.prompt_id)
         if reason is None:
             reason = check_group(sub, self.limits, current_version=self.version, staleness=self.train.staleness,
                                  newest_published=self.published_version)
@@ -205,6 +252,8 @@ class Intake:
                 reason = "undecodable"
         if reason is not None:
             self._refuse(reason, peer, sub.prompt_id)
+            if reason in VIOLATIONS:
+                self.strike(peer, reason)
             return reason
         issued_at = self.leases.open[sub.lease_id].issued_at
         index = self.leases.complete(sub.lease_id, sub.prompt_id)
@@ -228,6 +277,7 @@ class Intake:
         ))
         self.accepted += 1
         self.delivered[peer] += 1
+        self.ledger.delivered(peer, 1, self.clock())
         self.wake.set()
         return None
 
@@ -256,6 +306,7 @@ class Intake:
         async for message in messages:
             if isinstance(message, RpcError):
                 self._refuse("malformed", peer, str(message))
+                self.strike(peer, "malformed")
                 refused["malformed"] += 1
                 continue
             reason = self.accept(message, peer, tally)

@@ -81,22 +81,26 @@ class LeaseManager:
         self.stats["prompts_issued"] += n
         return lease
 
-    def _revoke(self, lease_ids: list[str], counter: str) -> int:
-        requeued = 0
+    def _revoke(self, lease_ids: list[str], counter: str) -> list[OpenLease]:
+        revoked = []
         for lid in lease_ids:
             lease = self.open.pop(lid)
             self.requeue.extend(sorted(lease.prompts.values()))
-            requeued += len(lease.prompts)
+            revoked.append(lease)
             self.stats[counter] += 1
-        return requeued
+        return revoked
 
-    def expire(self, now: float) -> int:
-        """Re-queue the open prompts of every lease past its deadline. Returns how many prompts."""
+    def expire(self, now: float) -> list[OpenLease]:
+        """Re-queue the open prompts of every lease past its deadline. Returns those leases."""
         return self._revoke([lid for lid, lease in self.open.items() if lease.deadline <= now], "leases_expired")
 
     def drop_peer(self, peer_id: str) -> int:
-        """Re-queue at once everything a peer that left the swarm was working on."""
-        return self._revoke([lid for lid, lease in self.open.items() if lease.peer_id == peer_id], "leases_revoked")
+        """Re-queue at once everything a peer was working on (it left the swarm, or was banned). Returns the prompts."""
+        revoked = self._revoke([lid for lid, lease in self.open.items() if lease.peer_id == peer_id], "leases_revoked")
+        return sum(len(lease.prompts) for lease in revoked)
+
+    def open_leases_of(self, peer_id: str) -> int:
+        return sum(1 for lease in self.open.values() if lease.peer_id == peer_id)
 
     def check(self, peer_id: str, lease_id: str, prompt_id: str) -> str | None:
         lease = self.open.get(lease_id)

@@ -65,6 +65,8 @@ class LeaseWait(_Message):
     standby: bool = Field(False, description="the learner's plan keeps this peer on standby (cost-aware activation)")
     head: str | None = Field(None, max_length=16 * 1024)
     fetch_first: bool = Field(False, description="work may exist, but not for the version this peer holds")
+    capped: bool = Field(False, description="this peer holds as much undelivered work as the learner lets one peer "
+                         "hold (open leases, probation): deliver first")
     held_s: float = Field(0.0, ge=0, le=60, description="how long the request was held for lack of work")
 
 

@@ -22,9 +22,16 @@ def _loop(**activation) -> LearnerActivation:
     return LearnerActivation(ActivationConfig(min_steps=2, **activation), train)
 
 
+def _delivered(act: LearnerActivation, cards: list[Card]) -> None:
+    """Each peer delivered what its card claims: only delivered work counts in the plan."""
+    for card in cards:
+        act.on_delivery(card.peer_id, int(card.rollouts_per_s or 0), 1.0)
+
+
 def test_everyone_works_until_t_train_is_measured():
     act = _loop()
     cards = [Card("a", 0.2, 40), Card("b", 0.3, 40), Card("c", 0.9, 40)]
+    _delivered(act, cards)
     act.replan(cards, {"a", "b", "c"})
     assert all(act.gate(p) is None for p in "abc") and act.active_count() == 3
     act.on_step(0.5)
@@ -37,6 +44,7 @@ def test_plan_keeps_the_cheapest_peers_meeting_the_floor_and_standby_the_rest():
     cards = [Card("a", 0.2, 40), Card("b", 0.3, 40), Card("c", 0.9, 40)]
     for _ in range(3):
         act.on_step(0.5)  # floor = 1.1 * 32 / 0.5 = 70.4
+    _delivered(act, cards)
     act.replan(cards, {"a", "b", "c"})
     assert act.gate("a") is None and act.gate("b") is None
     assert "floor" in act.gate("c")
@@ -56,16 +64,35 @@ def test_only_peers_that_asked_for_work_are_planned_and_delivered_mu_wins():
         act.on_step(0.5)
     cards = [Card("a", 0.2, 40), Card("b", 0.3, 40), Card("other", 0.0, 400), Card("new", 0.1, None)]
     act.on_delivery("a", 32, 1.0)  # a really delivers 32/s, less than its card says
+    act.on_delivery("b", 40, 1.0)
     act.replan(cards, {"a", "b", "new"})
-    assert "other" not in act.workers and "new" not in act.workers  # never asked us / no µ yet
+    assert "other" not in act.workers and "new" not in act.workers  # never asked us / delivered nothing yet
     assert act.workers["a"].mu == 32
     assert act.gate("a") is None and act.gate("b") is None  # 72 >= 70.4
+    assert act.gate("new") is None  # on probation: may take work, to earn a measured rate
+
+
+def test_a_claimed_rate_puts_nobody_on_standby_until_it_is_delivered():
+    # A free card claiming a huge rate, which takes leases and never delivers: it is never planned, so
+    # the peers that deliver stay active; once it has lapsed, its measured rate is zero.
+    act = _loop()
+    for _ in range(3):
+        act.on_step(0.5)  # floor 70.4
+    honest = [Card("a", 0.2, 40), Card("b", 0.3, 40)]
+    _delivered(act, honest)
+    liar = Card("liar", 0.0, 1e6)
+    act.replan([*honest, liar], {"a", "b", "liar"})
+    assert act.snapshot()["active"] == ["a", "b"] and act.gate("a") is None and act.gate("b") is None
+    act.on_lapse("liar")
+    act.replan([*honest, liar], {"a", "b", "liar"})
+    assert "liar" not in act.workers and act.snapshot()["active"] == ["a", "b"]
 
 
 def test_out_of_reach_floor_makes_everyone_active_and_disabled_plans_nothing():
     act = _loop()
     for _ in range(2):
         act.on_step(0.1)  # floor 352: out of reach
+    _delivered(act, [Card("a", 0.2, 40), Card("b", 0.3, 40)])
     act.replan([Card("a", 0.2, 40), Card("b", 0.3, 40)], {"a", "b"})
     assert act.gate("a") is None and act.gate("b") is None and not act.snapshot()["plan"]["feasible"]
     assert act.snapshot()["plan"]["fixes"]

@@ -6,21 +6,10 @@ import asyncio
 
 import pytest
 
-from echo2swarm.config.rl import LeaseConfig, TrainConfig
-from echo2swarm.learner.intake import Intake, WorkGate
-from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
+from helpers.intake import A, B, EOS, LIMITS, answer_ids, completion, make_intake
+
+from echo2swarm.learner.leases import LeaseManager, check_group
 from echo2swarm.wire.work import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
-from echo2swarm.models.tiny import build_char_tokenizer
-from echo2swarm.tasks.registry import get_task
-
-A, B = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
-EOS = 2
-LIMITS = GroupLimits(group_size=2, max_new_tokens=4, vocab_size=49, eos_token_ids=frozenset({EOS}))
-
-
-def completion(ids: list[int], finish: str = "stop") -> CompletionMsg:
-    return CompletionMsg(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason=finish)
-
 
 def submission(version: int = 5, completions: list[CompletionMsg] | None = None, lease_id: str = "l", prompt_id: str = "p"):
     return GroupSubmission(lease_id=lease_id, prompt_id=prompt_id, version=version, generation_s=0.1,
@@ -34,7 +23,7 @@ def test_leases_hand_out_in_order_and_reissue_expired_prompts_first():
     second = leases.issue(B, 2, budget=10, min_version=1, now=1.0)
     assert sorted(second.prompts.values()) == [3, 4]
     assert leases.issue(A, 3, budget=0, min_version=1, now=1.0) is None
-    assert leases.expire(now=10.5) == 3  # A's lease lapsed, B's has until 11.0
+    assert sum(len(lease.prompts) for lease in leases.expire(now=10.5)) == 3  # A's lease lapsed, B's has until 11.0
     again = leases.issue(B, 3, budget=10, min_version=1, now=10.6)
     assert sorted(again.prompts.values()) == [0, 1, 2] and leases.stats["reissued"] == 3
     assert leases.snapshot()["cursor"] == 5
@@ -77,28 +66,13 @@ def test_group_within_window_passes_and_unpublished_versions_are_future():
     assert check_group(submission(version=5), LIMITS, current_version=5, staleness=1, newest_published=4) == "future_version"
 
 
-def _intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float = 5.0, gate: WorkGate | None = None) -> Intake:
-    tokenizer = build_char_tokenizer()
-    train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4)
-    return Intake(
-        get_task("arith", seed=0), train, LeaseConfig(max_prompts=2, max_hold_s=max_hold_s),
-        encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        limits=LIMITS, version=5, gate=gate,
-    )
-
-
-def _answer_ids(text: str) -> list[int]:
-    tokenizer = build_char_tokenizer()
-    return tokenizer(text)["input_ids"] + [EOS]
-
-
 def test_intake_rewards_on_the_learner_and_refuses_foreign_groups():
-    intake = _intake()
+    intake = make_intake()
     lease = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A))
     assert isinstance(lease, Lease) and len(lease.prompts) == 2
     prompt = lease.prompts[0]
     a, b = prompt.text.rstrip("=").split("+")
-    right, wrong = _answer_ids(str(int(a) + int(b))), _answer_ids(str(int(a) + int(b) + 1))
+    right, wrong = answer_ids(str(int(a) + int(b))), answer_ids(str(int(a) + int(b) + 1))
     group = GroupSubmission(lease_id=lease.lease_id, prompt_id=prompt.prompt_id, version=5, generation_s=0.1,
                             completions=[completion(right), completion(wrong)])
     assert intake.accept(group, B) == "foreign_lease"
@@ -110,7 +84,7 @@ def test_intake_rewards_on_the_learner_and_refuses_foreign_groups():
 
 
 def test_intake_budget_caps_work_in_flight_and_tells_stale_holders_to_fetch():
-    intake = _intake(staleness=1, prompts_per_step=2)  # capacity (S+1)R = 4 groups
+    intake = make_intake(staleness=1, prompts_per_step=2)  # capacity (S+1)R = 4 groups
     got = [asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)) for _ in range(3)]
     assert [type(r) for r in got] == [Lease, Lease, LeaseWait]
     intake.published_version = 6
@@ -122,7 +96,7 @@ def test_intake_budget_caps_work_in_flight_and_tells_stale_holders_to_fetch():
 def test_mid_step_leases_cover_only_the_steps_their_version_can_still_train():
     # While step 5 trains, the intake serves step 6 and v6 is not published yet: groups of v5 can
     # train steps 6 and 7 only (S = 2), so 2 steps x 2 prompts, not the full window of 3 steps.
-    intake = _intake(staleness=2, prompts_per_step=2)
+    intake = make_intake(staleness=2, prompts_per_step=2)
     intake.version = 6
     got = [asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)) for _ in range(3)]
     assert [type(r) for r in got] == [Lease, Lease, LeaseWait]
@@ -133,7 +107,7 @@ def test_mid_step_leases_cover_only_the_steps_their_version_can_still_train():
 
 def test_a_held_lease_request_is_answered_the_moment_work_is_freed():
     async def scenario() -> None:
-        intake = _intake(staleness=1, prompts_per_step=2)  # capacity 4 prompts: two leases of 2
+        intake = make_intake(staleness=1, prompts_per_step=2)  # capacity 4 prompts: two leases of 2
         for _ in range(2):
             assert isinstance(await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A), Lease)
         held = asyncio.create_task(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5, wait_s=30), B))
@@ -152,7 +126,7 @@ def test_a_held_lease_request_is_answered_the_moment_work_is_freed():
 
 def test_held_requests_end_at_the_learners_cap_and_stale_holders_are_answered_at_once():
     async def scenario() -> None:
-        intake = _intake(staleness=1, prompts_per_step=2, max_hold_s=0.2)
+        intake = make_intake(staleness=1, prompts_per_step=2, max_hold_s=0.2)
         for _ in range(2):
             await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)
         loop = asyncio.get_running_loop()
@@ -169,7 +143,7 @@ def test_held_requests_end_at_the_learners_cap_and_stale_holders_are_answered_at
 
 
 def test_undecodable_text_is_refused_but_a_cut_multibyte_tail_is_not():
-    intake = _intake()
+    intake = make_intake()
     intake.decode = lambda ids: "7\ufffd" if ids[0] == 5 else "7"
     lease = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A))
     pid = lease.prompts[0].prompt_id
@@ -195,10 +169,13 @@ class Recorder:
     def on_delivery(self, peer: str, rollouts: int, seconds: float, latency: float | None = None) -> None:
         self.seen.append((peer, rollouts, seconds, latency))
 
+    def on_lapse(self, peer: str) -> None:
+        self.seen.append((peer, 0, 0.0, None))
+
 
 def test_a_peer_working_ahead_is_measured_by_its_work_not_by_how_long_it_held_the_lease():
     now, seen = [0.0], []
-    intake = _intake(gate=Recorder(seen))
+    intake = make_intake(gate=Recorder(seen))
     intake.clock = lambda: now[0]
     now[0] = 1.0
     intake._report_delivery(A, {"l1": (0.0, 16)})  # idle before: the work is issue to delivery

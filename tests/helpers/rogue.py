@@ -1,0 +1,76 @@
+"""A rogue rollout worker: joins the swarm as a plain libp2p peer and speaks the lease/submit RPCs.
+
+It uses the same wire messages and RPC framing as an honest worker (anyone can, from protocol.md),
+but runs no model: what it submits is whatever a test tells it to craft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from echo2swarm.overlay.rpc import call_client_stream, call_unary, rpc_name
+from echo2swarm.wire.work import (
+    CompletionMsg,
+    GroupSubmission,
+    Lease,
+    LeasePrompt,
+    LeaseRequest,
+    LeaseWait,
+    SubmitResult,
+)
+
+Craft = Callable[[LeasePrompt, int], list[CompletionMsg]]  # (prompt, group size) -> completions
+
+
+class RogueWorker:
+    def __init__(self, bootstrap: str, swarm: str, learner: str):
+        self.bootstrap, self.swarm, self.learner = bootstrap, swarm, learner
+        self.p2p: Any = None
+        self.peer_id = ""
+
+    async def __aenter__(self) -> "RogueWorker":
+        from hivemind.p2p import P2P
+
+        self.p2p = await P2P.create(initial_peers=[self.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.peer_id = self.p2p.peer_id.to_base58()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.p2p.shutdown()
+
+    async def lease(self, max_prompts: int = 8, held_version: int | None = None) -> Lease | LeaseWait:
+        request = LeaseRequest(max_prompts=max_prompts, held_version=held_version)
+        reply = await call_unary(self.p2p, self.learner, rpc_name(self.swarm, "lease"), request, (Lease, LeaseWait), 10)
+        assert isinstance(reply, (Lease, LeaseWait))
+        return reply
+
+    async def submit(self, lease: Lease, version: int, craft: Craft) -> SubmitResult:
+        groups = [GroupSubmission(lease_id=lease.lease_id, prompt_id=p.prompt_id, version=version, generation_s=0.1,
+                                  completions=craft(p, lease.sampling.n)) for p in lease.prompts]
+        return await call_client_stream(self.p2p, self.learner, rpc_name(self.swarm, "submit"), groups,
+                                        SubmitResult, 10)
+
+    async def lease_until_granted(self, timeout: float, held_version: int | None = None) -> Lease | LeaseWait:
+        """Ask until a lease comes (or the learner says done); the last reply either way."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            reply = await self.lease(held_version=held_version)
+            if isinstance(reply, Lease) or reply.done or loop.time() > deadline:
+                return reply
+            await asyncio.sleep(min(reply.retry_s, 0.5))  # poll interval: the learner's own back-off
+
+
+def right_answer_ids(model_dir: Any) -> Callable[[LeasePrompt], list[int]]:
+    """token ids of the right answer to an arith prompt, ended by EOS, from the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def ids(prompt: LeasePrompt) -> list[int]:
+        a, b = prompt.text.rstrip("=").split("+")
+        return tokenizer(str(int(a) + int(b)), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    return ids

@@ -1,0 +1,102 @@
+"""Crafted groups must never reach the weights: absurd logprobs and fabricated answers.
+
+Seen on main before: one group with finite but absurd behaviour logprobs (-1e30) made the loss
+inf/NaN, clip_grad_norm_ spread NaN into every weight and the learner signed an all-NaN version;
+a worker running no model, sending the right answer digits with a constant logprob, had its groups
+trained on. Here a real learner and a real rollout peer train while two rogue workers (plain libp2p
+peers speaking the lease/submit RPCs) each try one of these; the learner must refuse their groups,
+ban both, keep every metric finite, publish only finite weights, and keep training the honest peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.rogue import RogueWorker, right_answer_ids
+from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+
+from safetensors.numpy import load_file
+
+from echo2swarm.policy.store import VersionStore
+from echo2swarm.wire.work import CompletionMsg, Lease
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
+
+
+def _banned(info_url: str) -> dict[str, str]:
+    return http_json(info_url)["stats"].get("peers", {}).get("banned", {})
+
+
+async def _attack(rogue: RogueWorker, craft) -> tuple[Lease, int]:
+    lease = await rogue.lease_until_granted(timeout=60)
+    assert isinstance(lease, Lease), f"the rogue never got work: {lease}"
+    version = json.loads(lease.head)["version"] if lease.head else lease.min_version
+    result = await rogue.submit(lease, version, craft)
+    return lease, result.accepted
+
+
+def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
+    local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
+):
+    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=400)
+    local_swarm.bootstrap()
+    learner = local_swarm.start("learner", "--config", str(config))
+    honest = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"), env=PACED)
+    local_swarm.ready(learner)
+    local_swarm.ready(honest)
+    info = learner.info["chunk_url"] + "/v1/info"
+    metrics = learner.state_dir / "run" / "metrics.jsonl"
+    wait_until(lambda: len(read_metrics(metrics)) >= 3, 120, what="the learner training on the honest peer")
+    answer = right_answer_ids(warm_model_dir)
+
+    def absurd(prompt, n):  # finite, <= 0: passes every shape check, poisons an unchecked loss
+        ids = answer(prompt)
+        return [CompletionMsg(token_ids=ids, logprobs=[-1e30] * len(ids), finish_reason="stop")] * n
+
+    def fabricated(prompt, n):  # the right answer with a made-up constant logprob, no model run
+        ids = answer(prompt)
+        return [CompletionMsg(token_ids=ids, logprobs=[-0.05] * len(ids), finish_reason="stop")] * n
+
+    async def attacks() -> list[tuple[str, int]]:
+        out = []
+        for craft in (absurd, fabricated):
+            async with RogueWorker(local_swarm.bootstrap_addr, local_swarm.swarm, learner.info["peer_id"]) as rogue:
+                _, accepted = await _attack(rogue, craft)
+                out.append((rogue.peer_id, accepted))
+                # Verification runs when the groups train: wait for the ban while the rogue stays connected.
+                await asyncio.to_thread(wait_until, lambda: rogue.peer_id in _banned(info), 120,
+                                        what=f"the {craft.__name__} rogue to be banned")
+                reply = await rogue.lease()
+                assert not isinstance(reply, Lease) and reply.done and "banned" in reply.reason
+        return out
+
+    rogues = asyncio.run(attacks())
+    banned = _banned(info)
+    for peer, accepted in rogues:
+        assert accepted >= 1, "the intake accepted the crafted group (shapes are fine); verification must catch it"
+        assert "verify" in banned[peer], banned[peer]
+    steps_at_ban = len(read_metrics(metrics))
+    wait_until(lambda: len(read_metrics(metrics)) >= steps_at_ban + 5, 120, what="training to go on after the bans")
+
+    records = read_metrics(metrics)
+    for r in records:
+        for key in ("loss", "grad_norm", "reward_mean"):
+            assert r[key] is not None and math.isfinite(r[key]), (r["step"], key, r[key])
+    refused = sum(sum(r.get("verify_refused", {}).values()) for r in records)
+    assert refused >= 2, "both rogues' groups were refused by verification"
+    assert sum(r.get("skipped_nonfinite", 0) for r in records) == 0, "nothing non-finite reached the loss"
+    stats = http_json(info)["stats"]
+    assert stats["accepted"] > 0 and honest.info["peer_id"] not in stats["peers"]["banned"]
+
+    # What the honest peer installed, i.e. what the learner signed after the attacks, is finite.
+    local_swarm.close()  # stops the daemons: the store no longer changes under us
+    held = VersionStore(honest.state_dir).versions()
+    assert held and held[-1] > steps_at_ban, held
+    tensors = load_file(str(VersionStore(honest.state_dir).dir(held[-1]) / "model.safetensors"))
+    assert all(np.isfinite(t).all() for t in tensors.values())

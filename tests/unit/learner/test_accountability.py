@@ -1,0 +1,104 @@
+"""Per-peer caps and bans (learner/accountability.py), alone and through the learner's intake."""
+
+from __future__ import annotations
+
+import asyncio
+
+from helpers.intake import A, B, EOS, answer_ids, completion, make_intake
+
+from echo2swarm.config.rl import PeersConfig
+from echo2swarm.learner.accountability import PeerLedger
+from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait
+
+
+def _lease(intake, peer: str, n: int = 2):
+    return asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=n, held_version=5), peer))
+
+
+def _right_group(lease: Lease, index: int = 0) -> GroupSubmission:
+    prompt = lease.prompts[index]
+    a, b = prompt.text.rstrip("=").split("+")
+    ids = answer_ids(str(int(a) + int(b)))
+    return GroupSubmission(lease_id=lease.lease_id, prompt_id=prompt.prompt_id, version=5, generation_s=0.1,
+                           completions=[completion(ids), completion(ids)])
+
+
+def test_a_newcomer_is_on_probation_until_it_delivers() -> None:
+    ledger = PeerLedger(PeersConfig(probation_prompts=2))
+    assert ledger.allowance(A, want=8, open_leases=0, now=0.0) == 2
+    ledger.issued(A, 2, now=0.0)
+    assert ledger.allowance(A, want=8, open_leases=1, now=0.1) == 0 and ledger.stats["capped_probation"] == 1
+    ledger.delivered(A, 2, now=1.0)
+    assert not ledger.on_probation(A) and ledger.allowance(A, want=8, open_leases=0, now=1.0) == 8
+
+
+def test_undelivered_prompts_and_open_leases_are_capped_per_window() -> None:
+    ledger = PeerLedger(PeersConfig(probation_prompts=2, max_undelivered_prompts=10, max_open_leases=3, window_s=60))
+    ledger.delivered(A, 1, now=0.0)
+    ledger.issued(A, 8, now=0.0)
+    assert ledger.allowance(A, want=8, open_leases=1, now=1.0) == 3  # 10 - (8 - 1) undelivered
+    assert ledger.allowance(A, want=8, open_leases=3, now=1.0) == 0  # three leases open
+    assert ledger.allowance(A, want=8, open_leases=1, now=61.0) == 8  # the window moved on
+
+
+def test_lies_lapses_and_failed_verification_ban_at_their_thresholds() -> None:
+    ledger = PeerLedger(PeersConfig(ban_after_violations=2, ban_after_verify_failures=1, ban_after_lapsed_leases=2))
+    assert ledger.strike(A, "bad_logprob", now=0.0) is None
+    ban = ledger.strike(A, "foreign_lease", now=1.0)
+    assert ban is not None and "foreign_lease" in ban.reason and ledger.banned(A) is ban
+    assert ledger.strike(A, "bad_token", now=2.0) is None  # already banned: no second ban
+    assert ledger.allowance(A, want=4, open_leases=0, now=3.0) == 0
+    assert ledger.strike(B, "verify_logprob_gap", now=0.0) is not None
+    ledger.lapsed("C" * 52, now=0.0)
+    ledger.delivered("C" * 52, 1, now=1.0)  # a delivery resets the run of lapses
+    ledger.lapsed("C" * 52, now=2.0)
+    assert ledger.banned("C" * 52) is None
+    assert ledger.lapsed("C" * 52, now=3.0) is not None
+    assert set(ledger.snapshot()["banned"]) == {A, B, "C" * 52}
+
+
+def test_memory_stays_bounded_under_a_flood_of_fresh_peer_ids() -> None:
+    ledger = PeerLedger(PeersConfig(max_tracked_peers=16, ban_after_violations=1))
+    for i in range(1000):
+        ledger.allowance(f"peer{i}", want=1, open_leases=0, now=float(i))
+        ledger.strike(f"liar{i}", "malformed", now=float(i))
+    assert len(ledger.peers) <= 16 and len(ledger.bans) <= 16
+    assert ledger.stats["peers_forgotten"] > 0 and ledger.stats["bans_forgotten"] > 0
+
+
+def test_the_intake_bans_a_liar_revokes_its_leases_and_drops_its_groups() -> None:
+    intake = make_intake(staleness=1, prompts_per_step=4, peers=PeersConfig(ban_after_violations=2, probation_prompts=2))
+    honest = _lease(intake, A)
+    assert intake.accept(_right_group(honest), A) is None
+    liar_lease = _lease(intake, B)
+    assert isinstance(liar_lease, Lease) and len(liar_lease.prompts) == 2  # probation share
+    assert intake.accept(_right_group(liar_lease), B) is None  # one honest-looking group, buffered
+    assert len(intake.buffer) == 2
+    forged = _right_group(honest, 1)  # a group for A's lease
+    assert intake.accept(forged, B) == "foreign_lease"
+    bad = _right_group(liar_lease, 1).model_copy(update={"completions": [completion([5, 6, 7, EOS + 100])] * 2})
+    assert intake.accept(bad, B) == "bad_token"  # second strike: banned
+    assert intake.ledger.banned(B) is not None
+    assert not any(lease.peer_id == B for lease in intake.leases.open.values())  # re-issued
+    assert len(intake.buffer) == 1 and intake.buffer.dropped["banned"] == 1
+    reply = _lease(intake, B)
+    assert isinstance(reply, LeaseWait) and reply.done and "banned" in reply.reason
+    assert intake.accept(_right_group(liar_lease, 1), B) == "banned"
+
+
+def test_a_client_that_takes_leases_and_never_submits_holds_a_bounded_share() -> None:
+    intake = make_intake(staleness=3, prompts_per_step=16, peers=PeersConfig(probation_prompts=2, ban_after_lapsed_leases=2))
+    now = [0.0]
+    intake.clock = lambda: now[0]
+    taken = 0
+    for _ in range(50):  # the hoarder asks again and again
+        reply = _lease(intake, B, n=8)
+        taken += len(reply.prompts) if isinstance(reply, Lease) else 0
+    assert taken == 2  # its probation share, no more
+    honest = _lease(intake, A, n=8)
+    assert isinstance(honest, Lease) and len(honest.prompts) == 2
+    for _ in range(2):  # its leases lapse, twice in a row: banned
+        now[0] += intake.leases_config.timeout_s + 1
+        intake.expire_leases()
+        _lease(intake, B, n=8)
+    assert intake.ledger.banned(B) is not None and "lapsed" in intake.ledger.banned(B).reason
