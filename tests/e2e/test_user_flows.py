@@ -36,6 +36,10 @@ def test_demo_learns(tmp_path: Path):
     # Every rollout peer contributed, and every trained group was within the staleness window (S=1).
     assert len(records[-1]["delivered"]) == 2
     assert all(0 <= s <= 1 for r in records for s in r["staleness"])
+    # An honest swarm: the learner's verification refused nothing, banned no one, skipped no step.
+    assert sum(sum(r.get("verify_refused", {}).values()) for r in records) == 0
+    assert sum(r.get("verify_checked", 0) for r in records) >= 300 * 16 * 0.9  # every group was checked
+    assert not any(r.get("skipped_nonfinite") for r in records)
 
 
 def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path):
