@@ -4,20 +4,30 @@ Both sides speak these: the overlay validates them where they are stored, the po
 and the daemon (peer cards) write them, and the learner and followers read them. They live below
 all of those, so none has to reach into another's package for them.
 
-    PeerCard    a daemon's self-description, under the swarm's peers key, subkey = its peer id
-    HeadRecord  the learner's signed pointer to its newest policy version, subkey = its public key
+    PeerCard    a daemon's self-description, under the swarm's peers key, subkey = its peer id;
+                signed by the libp2p key of that peer id (wire/peer_keys.py), so only the peer
+                itself can write or replace its card
+    HeadRecord  the learner's signed pointer to its newest policy version, subkey = its public key;
+                also carries the learner's own addresses, so followers need no card to reach it
 """
 
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from echo2swarm.wire.signing import DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes
+from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
+from echo2swarm.wire.signing import DOMAIN_CARD, DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes, float_text
 
 MAX_RECORD_BYTES = 16 * 1024
+# A card is much smaller than any record may be (~1 KiB with a few addresses; under 6 KiB at every
+# field's maximum with an RSA-4096 key): the cap keeps a dictionary of cards, which one DHT reply carries whole, small.
+MAX_CARD_BYTES = 6 * 1024
+# How far a card's `updated_ms` may be ahead of a node's clock before the node refuses it.
+CARD_CLOCK_SKEW_S = 30.0
 MAX_SUBKEY_BYTES = 256
 MAX_RECORD_TTL_S = 3600.0
 MAX_VERSION = 10**12
@@ -80,6 +90,12 @@ class PeerCard(BaseModel):
     )
     active: bool | None = Field(None, description="rollout: False while the learner keeps it on standby; None: not told")
     updated_ms: int = Field(ge=0)
+    expires_ms: int = Field(0, ge=0, description="signed end of life: no node keeps the card longer (set when signed)")
+    public_key: str | None = Field(
+        None, pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * MAX_PUBLIC_KEY_BYTES,
+        description="hex libp2p PublicKey protobuf; only for peer ids that do not embed their key (RSA)",
+    )
+    signature: str = Field("", pattern=r"^((?:[0-9a-f]{2}){1,512})?$", description="hex; by the key of peer_id")
 
     @field_validator("peer_id")
     @classmethod
@@ -94,6 +110,64 @@ class PeerCard(BaseModel):
         if v is not None and not re.fullmatch(r"http://[^/\s]+", v):
             raise ValueError("chunk_url must be http://host:port")
         return v
+
+    def signing_payload(self, swarm: str) -> bytes:
+        """What the owner signs (after DOMAIN_CARD): canonical JSON of {"card": fields but signature, "swarm": swarm}.
+
+        Floats are written as `float_text` (exact binary64 bits), since canonical JSON has none.
+        """
+
+        def exact(value: object) -> object:
+            if isinstance(value, float):
+                return float_text(value)
+            if isinstance(value, dict):
+                return {k: exact(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [exact(v) for v in value]
+            return value
+
+        fields = self.model_dump(mode="json", exclude={"signature"})
+        return canonical_bytes({"card": exact(fields), "swarm": swarm})
+
+    def signed(self, key: PeerKey, swarm: str, ttl_s: float) -> "PeerCard":
+        """This card signed by its peer's libp2p key, alive for `ttl_s` from `updated_ms`."""
+        if key.peer_id != self.peer_id:
+            raise ValueError(f"card of {self.peer_id} cannot be signed by the key of {key.peer_id}")
+        unsigned = self.model_copy(update={
+            "expires_ms": self.updated_ms + int(ttl_s * 1000),
+            "public_key": None if key.public.embedded else key.public.proto.hex(),
+            "signature": "",
+        })
+        signature = key.sign(DOMAIN_CARD, unsigned.signing_payload(swarm)).hex()
+        return unsigned.model_copy(update={"signature": signature})
+
+    def check_signature(self, swarm: str) -> None:
+        """Raises RecordError unless the key that owns `peer_id` signed exactly this card for `swarm`."""
+        if not self.signature:
+            raise RecordError(f"card of {self.peer_id[-8:]} is not signed", "unsigned")
+        try:
+            key = PeerPublicKey.for_peer(self.peer_id, bytes.fromhex(self.public_key) if self.public_key else None)
+        except (PeerKeyError, ValueError) as e:
+            raise RecordError(f"card of {self.peer_id[-8:]}: no usable key for its peer id: {e}", "bad_key") from None
+        if not key.verify(DOMAIN_CARD, self.signing_payload(swarm), bytes.fromhex(self.signature)):
+            raise RecordError(f"card of {self.peer_id[-8:]} with a bad signature", "bad_signature")
+
+    def check_times(self, expiration_s: float | None = None, now_s: float | None = None) -> None:
+        """Raises RecordError if the card is dated in the future, already expired, or kept past its signed expiry.
+
+        `expiration_s` is the DHT expiration it is stored with: at most the signed `expires_ms`
+        (plus the clock skew), so nobody can replay an old card with a later DHT expiry.
+        """
+        now = time.time() if now_s is None else now_s
+        if self.updated_ms > (now + CARD_CLOCK_SKEW_S) * 1000:
+            raise RecordError(f"card of {self.peer_id[-8:]} dated {self.updated_ms / 1000 - now:.0f} s ahead", "future")
+        if not self.updated_ms <= self.expires_ms <= self.updated_ms + int(MAX_RECORD_TTL_S * 1000):
+            raise RecordError(f"card of {self.peer_id[-8:]} with a signed lifetime outside 0..{MAX_RECORD_TTL_S:.0f} s",
+                              "lifetime")
+        if self.expires_ms < (now - CARD_CLOCK_SKEW_S) * 1000:
+            raise RecordError(f"card of {self.peer_id[-8:]} expired {now - self.expires_ms / 1000:.0f} s ago", "expired")
+        if expiration_s is not None and expiration_s > self.expires_ms / 1000 + CARD_CLOCK_SKEW_S:
+            raise RecordError(f"card of {self.peer_id[-8:]} stored past its signed expiry (a replay?)", "replay")
 
 
 def parse_card(value: object) -> PeerCard:
@@ -119,10 +193,19 @@ class HeadRecord(_Strict):
         ge=0, description="signed end of life; nodes refuse to keep the record longer, so a replay dies with it"
     )
     public_key: str = Field(max_length=80)
+    # Where followers reach the publisher (its chunk server and libp2p addresses), signed with the
+    # rest, so a forged card cannot send them elsewhere. Absent from the signed bytes when empty.
+    chunk_url: str | None = Field(None, max_length=256, pattern=r"^http://[^/\s]+$")
+    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
 
     def _payload(self) -> bytes:
-        return canonical_bytes(self.model_dump(mode="json", exclude={"signature"}))
+        exclude = {"signature"}
+        if self.chunk_url is None:
+            exclude.add("chunk_url")
+        if not self.maddrs:
+            exclude.add("maddrs")
+        return canonical_bytes(self.model_dump(mode="json", exclude=exclude))
 
     def signed(self, key: PolicyKey) -> "HeadRecord":
         if key.public.text != self.public_key:

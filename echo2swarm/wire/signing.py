@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ PUBLIC_PREFIX = "ed25519:"
 DOMAIN_MANIFEST = b"echo2swarm/manifest/v1\n"
 DOMAIN_HEAD = b"echo2swarm/head/v1\n"
 DOMAIN_PLAN = b"echo2swarm/plan/v1\n"
+DOMAIN_CARD = b"echo2swarm/card/v1\n"  # signed by the libp2p key of the card's peer id (wire/peer_keys.py)
 
 
 class KeyFileError(ValueError):
@@ -41,6 +43,18 @@ def canonical_bytes(obj: Any) -> bytes:
         return value
 
     return json.dumps(no_floats(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def float_text(value: float) -> str:
+    """How a float is written inside signed canonical JSON: its IEEE-754 binary64 bits.
+
+    "f64:" then 16 lowercase hex digits, big-endian; exact, and the same in every language
+    (decimal forms of floats differ between JSON libraries).
+
+    >>> float_text(0.5)
+    'f64:3fe0000000000000'
+    """
+    return "f64:" + struct.pack(">d", value).hex()
 
 
 @dataclass(frozen=True)
