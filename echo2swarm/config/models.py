@@ -60,6 +60,11 @@ class OverlayConfig(StrictModel):
     record_ttl_s: float = Field(
         30.0, gt=0, le=3600, description="Seconds a record lives in the DHT without re-announcement (~3x announce_period_s)."
     )
+    max_cards: int = Field(
+        256, ge=8, le=100_000,
+        description="Most peer cards one read keeps (the DHT may hold any number: new keys are free): peers seen "
+        "doing work first, then those seen before, then the newest.",
+    )
 
     @field_validator("swarm")
     @classmethod

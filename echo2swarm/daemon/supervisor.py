@@ -173,7 +173,8 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_event.set)
 
         try:
-            overlay = await Overlay.start(config.overlay)
+            # Without --identity the per-start libp2p key reaches p2pd through a temporary file in the state dir.
+            overlay = await Overlay.start(config.overlay, key_dir=state_dir)
         except BootstrapError as e:
             logger.error("%s", e)
             return EXIT_CONFIG
@@ -201,6 +202,7 @@ class Daemon:
                     if host in ("0.0.0.0", "::", ""):
                         host = _pick_host(self.maddrs)
                     self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
+            overlay.advertise(self.chunk_url, self.maddrs)  # the learner's signed heads carry it
             # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
             tasks = [asyncio.create_task(announcer.run(self.stop_event))]
             await service.start()

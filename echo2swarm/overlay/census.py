@@ -11,8 +11,10 @@ _ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
 
 
 async def census(overlay: Overlay) -> dict[str, Any]:
-    cards, bad_cards = await overlay.get_cards()
+    """Peers and heads; during a card flood the cards of head publishers (learners) are kept first."""
     heads, bad_heads = await overlay.get_heads()
+    dropped_before = overlay.cards_dropped
+    cards, bad_cards = await overlay.get_cards(prefer=[h.publisher for h in heads if h.signature_ok()])
     now_ms = time.time() * 1000
     peers = [
         {
@@ -45,4 +47,5 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             for h in sorted(heads, key=lambda h: -h.version)
         ],
         "malformed_records": bad_cards + bad_heads,
+        "cards_left_out": overlay.cards_dropped - dropped_before,  # valid cards past overlay.max_cards
     }

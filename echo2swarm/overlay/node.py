@@ -1,8 +1,19 @@
 """The daemon's DHT node: hivemind `P2P` + `DHTNode` running inside our own asyncio loop.
 
-    Overlay.start(config) ── P2P.create (spawns p2pd) ── DHTNode.create (pings initial peers)
+    Overlay.start(config) ── identity key ── P2P.create (spawns p2pd) ── DHTNode.create (pings initial peers)
          │ store/get of small records (peer cards, signed heads), validated on every node
          └ stop(): DHT node, then p2pd, bounded by a timeout
+
+Identity: p2pd's libp2p key also signs our peer card, so the overlay must hold it. With
+`--identity PATH` that file is used (created as an Ed25519 key if missing). Without it a fresh
+Ed25519 key is generated per start, handed to p2pd through a 0600 temporary file in the state
+dir that is deleted as soon as p2pd has read it: a fresh peer id per start, as before, and no
+key left on disk.
+
+Reading cards is bounded whatever the DHT holds (anyone can make keys and sign cards with them):
+`get_cards` returns at most `max_cards`, preferring peers the caller names, then peers seen doing
+work here (an RPC call this node answered, authenticated by libp2p), then peers returned by the
+previous reads, then the newest `updated_ms`.
 
 We do not use the forked `hivemind.DHT` wrapper: it crashes on values over 64 KiB and orphans its
 child on SIGKILL. p2pd is started with PR_SET_PDEATHSIG so it dies with us even on `kill -9`.
@@ -13,21 +24,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import heapq
+import os
 import signal
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+import weakref
+from collections import OrderedDict
+from collections.abc import Collection, Iterator
+from pathlib import Path
 from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay.dht_keys import head_key, peers_key
-from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, parse_card, parse_head
+from echo2swarm.overlay import rpc
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
+from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, parse_head
 
 logger = get_logger(__name__)
 
@@ -76,6 +96,43 @@ def dht_time() -> float:
     return time.time()
 
 
+# The address each overlay of this process advertises (chunk URL, multiaddrs), by peer id: what
+# the learner's publisher puts into the heads it signs (see `advertised`).
+_ADVERTISED: "weakref.WeakValueDictionary[str, Overlay]" = weakref.WeakValueDictionary()
+
+
+def advertised(peer_id: str) -> tuple[str | None, list[str]]:
+    """The chunk URL and multiaddrs that this process's overlay with `peer_id` advertises; (None, []) if none."""
+    overlay = _ADVERTISED.get(peer_id)
+    if overlay is None:
+        return None, []
+    return overlay.chunk_url, list(overlay.maddrs)
+
+
+def _identity(config: OverlayConfig, key_dir: Path | None) -> tuple[PeerKey, Path, bool]:
+    """Our libp2p key, the file p2pd reads it from, and whether that file is a temporary to delete."""
+    if config.identity is not None:
+        path = Path(config.identity)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            key = PeerKey.generate()
+            key.save(path)
+            logger.info("created identity %s (peer id %s)", path, key.peer_id)
+            return key, path, False
+        try:
+            return PeerKey.load(path), path, False
+        except PeerKeyError as e:
+            raise BootstrapError(f"--identity {path}: {e}") from None
+    key = PeerKey.generate()
+    directory = key_dir if key_dir is not None else Path(tempfile.gettempdir())
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".identity-", suffix=".key", dir=directory)
+    os.close(fd)
+    os.unlink(name)  # PeerKey.save creates it exclusively, mode 0600
+    key.save(Path(name))
+    return key, Path(name), True
+
+
 class Overlay:
     """A started DHT node of one swarm.
 
@@ -85,15 +142,27 @@ class Overlay:
     >>> await overlay.stop()
     """
 
-    def __init__(self, config: OverlayConfig, p2p: P2P, node: DHTNode, validator: SwarmRecordValidator):
+    def __init__(self, config: OverlayConfig, p2p: P2P, node: DHTNode, validator: SwarmRecordValidator, key: PeerKey):
         self.config = config
         self.p2p = p2p
         self.node = node
         self.validator = validator
+        self.key = key  # p2pd's libp2p key: signs our card
         self.peer_id = p2p.peer_id.to_base58()
+        self.chunk_url: str | None = None
+        self.maddrs: list[str] = []
+        # peer id -> monotonic time last seen: doing work (an RPC we answered) / returned by get_cards
+        self._worked: OrderedDict[str, float] = OrderedDict()
+        self._recent: OrderedDict[str, float] = OrderedDict()
+        self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
+        rpc.observe_callers(p2p, self.saw_work)
+        _ADVERTISED[self.peer_id] = self
 
     @classmethod
-    async def start(cls, config: OverlayConfig, *, client_mode: bool | None = None) -> "Overlay":
+    async def start(
+        cls, config: OverlayConfig, *, client_mode: bool | None = None, key_dir: Path | None = None
+    ) -> "Overlay":
+        """`key_dir`: where the per-start identity file lives while p2pd reads it (the state dir)."""
         client = config.client_mode if client_mode is None else client_mode
         if not config.initial_peers and not config.new_swarm:
             raise BootstrapError(
@@ -105,14 +174,15 @@ class Overlay:
                 Multiaddr(addr)
             except Exception as e:  # hivemind's parser raises several types
                 raise BootstrapError(f"malformed multiaddr {addr!r}: {e}") from None
-        if config.identity is not None:
-            config.identity.parent.mkdir(parents=True, exist_ok=True)
+        key, identity_path, temporary = _identity(config, key_dir)
 
         p2p_kwargs: dict[str, Any] = dict(
             initial_peers=config.initial_peers or None,
             host_maddrs=[] if client else config.host_maddrs,
             announce_maddrs=config.announce_maddrs or None,
-            identity_path=str(config.identity) if config.identity else None,
+            identity_path=str(identity_path),
+            # hivemind's "is this identity taken" probe parses RSA keys only; a fresh key is never taken
+            check_if_identity_free=not (temporary or key.is_ed25519),
             dht_mode="client" if client else "server",
             use_relay=config.use_relay,
             use_auto_relay=config.use_auto_relay,
@@ -122,10 +192,16 @@ class Overlay:
         validator = SwarmRecordValidator(config.swarm)
         p2p: P2P | None = None
         try:
-            with _children_die_with_us():
-                p2p = await asyncio.wait_for(
-                    P2P.create(**p2p_kwargs), config.p2p_startup_timeout_s + config.bootstrap_timeout_s
-                )
+            try:
+                with _children_die_with_us():
+                    p2p = await asyncio.wait_for(
+                        P2P.create(**p2p_kwargs), config.p2p_startup_timeout_s + config.bootstrap_timeout_s
+                    )
+            finally:
+                if temporary:
+                    identity_path.unlink(missing_ok=True)
+            if p2p.peer_id.to_base58() != key.peer_id:
+                raise BootstrapError(f"p2pd runs as {p2p.peer_id} but the identity key is {key.peer_id}")
             node = await asyncio.wait_for(
                 DHTNode.create(
                     p2p=p2p,
@@ -152,7 +228,26 @@ class Overlay:
                     "that those peers run, and --bootstrap-timeout"
                 ) from None
             raise BootstrapError(f"could not start the libp2p node: {type(e).__name__}: {e}") from None
-        return cls(config, p2p, node, validator)
+        return cls(config, p2p, node, validator, key)
+
+    def advertise(self, chunk_url: str | None, maddrs: list[str]) -> None:
+        """Where others reach us; the learner's heads carry it (see `advertised`)."""
+        self.chunk_url, self.maddrs = chunk_url, list(maddrs)[:8]
+
+    def saw_work(self, peer_id: str) -> None:
+        """`peer_id` did work with us (answered RPC): its card is kept first when cards must be dropped."""
+        self._touch(self._worked, peer_id)
+
+    def worked(self) -> set[str]:
+        """Peers seen doing work here lately (RPCs this node answered; libp2p authenticated them)."""
+        return set(self._worked)
+
+    def _touch(self, seen: OrderedDict[str, float], peer_id: str) -> None:
+        seen[peer_id] = time.monotonic()
+        seen.move_to_end(peer_id)
+        horizon = time.monotonic() - 3 * self.config.record_ttl_s
+        while seen and (len(seen) > 4 * self.config.max_cards or next(iter(seen.values())) < horizon):
+            seen.popitem(last=False)
 
     async def visible_maddrs(self) -> list[str]:
         try:
@@ -164,9 +259,10 @@ class Overlay:
         return bool(await self.node.store(key, value, dht_time() + ttl, subkey=subkey))
 
     async def store_card(self, card: PeerCard, ttl: float | None = None) -> bool:
-        return await self._store(
-            peers_key(self.config.swarm), card.peer_id, card.model_dump(mode="json"), ttl or self.config.record_ttl_s
-        )
+        """Sign `card` (ours) with our libp2p key, alive `ttl` seconds, and store it."""
+        ttl = ttl or self.config.record_ttl_s
+        signed = card.signed(self.key, self.config.swarm, ttl)
+        return await self._store(peers_key(self.config.swarm), card.peer_id, signed.model_dump(mode="json"), ttl)
 
     async def store_head(self, head: HeadRecord) -> bool:
         """Stored until the head's own signed expiry, which every node enforces."""
@@ -186,18 +282,50 @@ class Overlay:
                 out.append((subkey, value, expiration))
         return out
 
-    async def get_cards(self) -> tuple[list[PeerCard], int]:
-        """Live peer cards of the swarm, and how many records were refused as malformed."""
-        cards, bad = [], 0
-        for subkey, value, _ in await self._get_dict(peers_key(self.config.swarm)):
+    async def get_cards(
+        self, prefer: Collection[str] = (), limit: int | None = None
+    ) -> tuple[list[PeerCard], int]:
+        """Live, signed peer cards of the swarm (at most `limit`, default max_cards), and how many were refused.
+
+        Ranked before anything is parsed, so the cost is bounded whatever the DHT returns: peers
+        in `prefer`, then peers seen doing work, then peers returned before, then newest
+        `updated_ms` (a date ahead of our clock counts as now).
+        """
+        limit = self.config.max_cards if limit is None else limit
+        entries = await self._get_dict(peers_key(self.config.swarm))
+        now_ms = int(time.time() * 1000)
+        prefer = set(prefer)
+
+        def rank(entry: tuple[Any, Any, float]) -> tuple[bool, bool, int]:
+            subkey, value, _ = entry
+            if not isinstance(subkey, str):
+                return (False, False, -2)
+            updated = value.get("updated_ms") if isinstance(value, dict) else None
+            updated = min(updated, now_ms) if type(updated) is int else -1
+            return (subkey in prefer or subkey in self._worked, subkey in self._recent, updated)
+
+        # Up to 2x the limit are parsed, so a few bad records at the top cannot crowd out good ones.
+        ranked = heapq.nlargest(2 * limit, entries, key=rank) if len(entries) > limit else sorted(entries, key=rank, reverse=True)
+        cards: list[PeerCard] = []
+        bad = 0
+        for subkey, value, expiration in ranked:
+            if len(cards) >= limit:
+                break
             try:
-                card = parse_card(value)
-                if card.peer_id != subkey:
-                    raise RecordError("card stored under another peer's subkey")
+                if not isinstance(subkey, str):
+                    raise RecordError("card under a non-string subkey")
+                card = self.validator.card(subkey, value, MSGPackSerializer.dumps(value))
+                card.check_times(expiration)
                 cards.append(card)
             except RecordError as e:
                 bad += 1
                 logger.debug("ignoring peer record %s: %s", str(subkey)[:16], e)
+        if len(entries) > limit:
+            dropped = len(entries) - bad - len(cards)
+            self.cards_dropped += dropped
+            logger.info("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d", len(entries), len(cards), dropped)
+        for card in cards:
+            self._touch(self._recent, card.peer_id)
         return cards, bad
 
     async def get_heads(self) -> tuple[list[HeadRecord], int]:
@@ -214,6 +342,8 @@ class Overlay:
         return heads, bad
 
     async def stop(self, timeout: float = 3.0) -> None:
+        if _ADVERTISED.get(self.peer_id) is self:
+            del _ADVERTISED[self.peer_id]
         try:
             await asyncio.wait_for(self.node.shutdown(), timeout)
         except (asyncio.TimeoutError, Exception) as e:

@@ -13,6 +13,7 @@ handler never raises into hivemind, so a garbage-sending peer costs us one log l
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -62,6 +63,22 @@ def decode(wrapper: BytesValue, model: type[M]) -> M:
         raise RpcError(f"invalid {model.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
+# Who answered RPCs count as peers "seen doing work" (Overlay.saw_work): libp2p authenticated
+# their peer id, which a DHT record's author never is.
+_CALLER_OBSERVERS: "weakref.WeakKeyDictionary[P2P, Callable[[str], None]]" = weakref.WeakKeyDictionary()
+
+
+def observe_callers(p2p: P2P, observer: Callable[[str], None]) -> None:
+    """`observer(peer_id)` after every RPC on `p2p` that a handler answered without error."""
+    _CALLER_OBSERVERS[p2p] = observer
+
+
+def _answered(p2p: P2P, peer: str) -> None:
+    observer = _CALLER_OBSERVERS.get(p2p)
+    if observer is not None:
+        observer(peer)
+
+
 def _error(message: str) -> BytesValue:
     return BytesValue(value=msgpack.packb({"error": message}))
 
@@ -77,7 +94,9 @@ async def serve_unary(
             logger.info("refused %s from %s: %s", name.rsplit("/", 1)[-1], peer[-8:], e)
             return _error(str(e))
         try:
-            return encode(await handler(request, peer))
+            reply = encode(await handler(request, peer))
+            _answered(p2p, peer)
+            return reply
         except Exception as e:
             logger.exception("%s handler failed", name)
             return _error(f"internal error: {type(e).__name__}")
@@ -102,7 +121,9 @@ async def serve_client_stream(
                     yield e
 
         try:
-            return encode(await handler(messages(), peer))
+            reply = encode(await handler(messages(), peer))
+            _answered(p2p, peer)
+            return reply
         except Exception as e:
             logger.exception("%s handler failed", name)
             return _error(f"internal error: {type(e).__name__}")

@@ -13,12 +13,14 @@ from hivemind.utils.serializer import MSGPackSerializer
 from echo2swarm.overlay.dht_keys import head_key, peers_key
 from echo2swarm.wire.records import MAX_RECORD_BYTES
 from echo2swarm.overlay.validation import SwarmRecordValidator, key_id
-from echo2swarm.wire.records import HeadRecord
+from echo2swarm.wire.peer_keys import PeerKey
+from echo2swarm.wire.records import HeadRecord, PeerCard
 from echo2swarm.wire.signing import PolicyKey
 
 SWARM = "demo"
-PEER_ID = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"
-OTHER_PEER_ID = "12D3KooWBnext5Ax8GGTQEy3PH1kRgTyhJLvRUtwyXjuJ9TuDH3S"
+PEER_KEY = PeerKey.generate()
+PEER_ID = PEER_KEY.peer_id
+OTHER_PEER_ID = PeerKey.generate().peer_id
 EXPIRES = time.time() + 60  # records must expire within MAX_RECORD_TTL_S
 
 dumps = MSGPackSerializer.dumps
@@ -34,12 +36,19 @@ def validator() -> SwarmRecordValidator:
     return SwarmRecordValidator(SWARM)
 
 
-def card(**changes: object) -> dict[str, object]:
-    value: dict[str, object] = {
-        "peer_id": PEER_ID, "role": "rollout", "price": 0.3, "version": 2, "state": "ready",
-        "software": "echo2swarm 0.1", "maddrs": [f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER_ID}"],
-        "chunk_url": "http://127.0.0.1:8080", "updated_ms": 1_700_000_000_000,
+def signed_card(key: PeerKey = PEER_KEY, swarm: str = SWARM, ttl_s: float = 120.0, **fields: object) -> PeerCard:
+    values: dict[str, object] = {
+        "peer_id": key.peer_id, "role": "rollout", "price": 0.3, "version": 2, "state": "ready",
+        "software": "echo2swarm 0.1", "maddrs": [f"/ip4/127.0.0.1/tcp/4001/p2p/{key.peer_id}"],
+        "chunk_url": "http://127.0.0.1:8080", "updated_ms": int(time.time() * 1000),
     }
+    values.update(fields)
+    return PeerCard(**values).signed(key, swarm, ttl_s)  # type: ignore[arg-type]
+
+
+def card(**changes: object) -> dict[str, object]:
+    """A card signed by PEER_KEY, then changed (a change to a signed field breaks the signature)."""
+    value = signed_card().model_dump(mode="json")
     value.update(changes)
     return value
 
@@ -86,7 +95,8 @@ def test_key_ids_are_hivemind_key_hashes() -> None:
 
 def test_good_card_under_its_own_peer_id(validator: SwarmRecordValidator) -> None:
     assert_accepted(validator, peers_record(card()))
-    assert_accepted(validator, peers_record(card(version=None, chunk_url=None, state="starting", price=0)))
+    quiet = signed_card(version=None, chunk_url=None, state="starting", price=0).model_dump(mode="json")
+    assert_accepted(validator, peers_record(quiet))
 
 
 def test_good_signed_head_under_its_public_key(validator: SwarmRecordValidator, key: PolicyKey) -> None:

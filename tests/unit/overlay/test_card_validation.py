@@ -1,0 +1,202 @@
+"""Owner-signed peer cards at the DHT validator, and the bounded card reads of Overlay.get_cards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.serializer import MSGPackSerializer
+
+from echo2swarm.config.models import OverlayConfig
+from echo2swarm.overlay.dht_keys import peers_key
+from echo2swarm.overlay.node import Overlay
+from echo2swarm.overlay.validation import SwarmRecordValidator, key_id
+from echo2swarm.wire.peer_keys import PeerKey
+from echo2swarm.wire.records import MAX_CARD_BYTES, PeerCard
+from echo2swarm.wire.signing import DOMAIN_CARD
+
+SWARM = "demo"
+dumps = MSGPackSerializer.dumps
+
+
+def card(key: PeerKey, **fields: object) -> PeerCard:
+    values: dict[str, object] = {
+        "peer_id": key.peer_id, "role": "rollout", "price": 0.3, "state": "ready", "software": "0.1",
+        "chunk_url": "http://127.0.0.1:8080", "updated_ms": int(time.time() * 1000),
+    }
+    values.update(fields)
+    return PeerCard(**values)  # type: ignore[arg-type]
+
+
+def record(value: object, subkey: str, expiration: float | None = None) -> DHTRecord:
+    return DHTRecord(key_id(peers_key(SWARM)), dumps(subkey), dumps(value), expiration or time.time() + 30)
+
+
+def refused(validator: SwarmRecordValidator, rec: DHTRecord, caplog: pytest.LogCaptureFixture, why: str) -> None:
+    before = validator.refused
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="echo2swarm.overlay.validation")
+    assert validator.validate(rec) is False
+    assert validator.refused == before + 1
+    assert why in caplog.text
+
+
+@pytest.fixture
+def validator() -> SwarmRecordValidator:
+    return SwarmRecordValidator(SWARM)
+
+
+def test_owner_signed_card_is_accepted(validator: SwarmRecordValidator) -> None:
+    key = PeerKey.generate()
+    assert validator.validate(record(card(key).signed(key, SWARM, 30).model_dump(mode="json"), key.peer_id))
+    assert validator.refused == 0
+
+
+def test_card_forged_under_another_peers_id(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    learner, attacker = PeerKey.generate(), PeerKey.generate()
+    forged = card(learner, role="learner", chunk_url="http://127.0.0.1:9")
+    forged = forged.model_copy(update={
+        "expires_ms": forged.updated_ms + 30_000,
+        "signature": attacker.sign(DOMAIN_CARD, forged.model_copy(update={"expires_ms": forged.updated_ms + 30_000})
+                                   .signing_payload(SWARM)).hex(),
+    })
+    refused(validator, record(forged.model_dump(mode="json"), learner.peer_id), caplog, "bad signature")
+    # Its own, validly signed card does not help it either when stored under the learner's id.
+    own = card(attacker).signed(attacker, SWARM, 30).model_dump(mode="json")
+    refused(validator, record(own, learner.peer_id), caplog, "stored under subkey")
+
+
+def test_stopping_card_forged_from_an_honest_card(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    honest = PeerKey.generate()
+    value = card(honest).signed(honest, SWARM, 30).model_dump(mode="json")
+    assert validator.validate(record(value, honest.peer_id))
+    refused(validator, record(dict(value, state="stopping"), honest.peer_id), caplog, "bad signature")
+
+
+@pytest.mark.parametrize("field, value", [("price", 0.0), ("rollouts_per_s", 1e7), ("chunk_url", "http://127.0.0.1:9"),
+                                          ("maddrs", ["/ip4/6.6.6.6/tcp/1"]), ("role", "learner")])
+def test_tampered_field(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture, field: str, value: object) -> None:
+    key = PeerKey.generate()
+    signed = card(key, rollouts_per_s=3.0).signed(key, SWARM, 30).model_dump(mode="json")
+    refused(validator, record(dict(signed, **{field: value}), key.peer_id), caplog, "bad signature")
+
+
+def test_bad_and_missing_signatures(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    key = PeerKey.generate()
+    signed = card(key).signed(key, SWARM, 30).model_dump(mode="json")
+    refused(validator, record(dict(signed, signature="00" * 64), key.peer_id), caplog, "bad signature")
+    refused(validator, record(dict(signed, signature="ab"), key.peer_id), caplog, "bad signature")
+    refused(validator, record(dict(signed, signature="abc"), key.peer_id), caplog, "schema")  # odd hex length
+    refused(validator, record(dict(signed, public_key="0812"), key.peer_id), caplog, "no usable key")
+    refused(validator, record(dict(signed, signature=""), key.peer_id), caplog, "not signed")
+    unsigned = {k: v for k, v in signed.items() if k not in ("signature", "expires_ms")}
+    refused(validator, record(unsigned, key.peer_id), caplog, "not signed")
+    assert validator.reasons["bad_signature"] == 2 and validator.reasons["unsigned"] == 2
+    assert validator.reasons["bad_key"] == 1
+
+
+def test_cheap_fake_card_without_signature(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    """The flood's opening move: price 0, huge µ, under a fresh key, not signed."""
+    key = PeerKey.generate()
+    fake = card(key, price=0.0, rollouts_per_s=1e7).model_dump(mode="json")
+    refused(validator, record(fake, key.peer_id), caplog, "not signed")
+
+
+def test_far_future_or_past_updated_ms(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    key = PeerKey.generate()
+    future = card(key, updated_ms=int((time.time() + 86400) * 1000)).signed(key, SWARM, 30)
+    refused(validator, record(future.model_dump(mode="json"), key.peer_id), caplog, "ahead")
+    past = card(key, updated_ms=int((time.time() - 2 * 3600) * 1000)).signed(key, SWARM, 3600)
+    refused(validator, record(past.model_dump(mode="json"), key.peer_id), caplog, "expired")
+
+
+def test_replay_with_a_later_dht_expiry(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    key = PeerKey.generate()
+    signed = card(key).signed(key, SWARM, 30)
+    value = signed.model_dump(mode="json")
+    assert validator.validate(record(value, key.peer_id, signed.expires_ms / 1000))
+    refused(validator, record(value, key.peer_id, signed.expires_ms / 1000 + 900), caplog, "past its signed expiry")
+
+
+def test_card_signed_for_another_swarm(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    key = PeerKey.generate()
+    refused(validator, record(card(key).signed(key, "other", 30).model_dump(mode="json"), key.peer_id), caplog,
+            "bad signature")
+
+
+def test_oversized_card(validator: SwarmRecordValidator, caplog: pytest.LogCaptureFixture) -> None:
+    key = PeerKey.generate()
+    value = dict(card(key).signed(key, SWARM, 30).model_dump(mode="json"), padding="x" * MAX_CARD_BYTES)
+    refused(validator, record(value, key.peer_id), caplog, "exceeds")
+
+
+def test_verdicts_are_cached_but_every_refusal_counts(validator: SwarmRecordValidator) -> None:
+    key = PeerKey.generate()
+    value = dict(card(key).signed(key, SWARM, 30).model_dump(mode="json"), price=0.0)
+    for _ in range(3):
+        assert validator.validate(record(value, key.peer_id)) is False
+    assert validator.refused == 3 and len(validator._cards) == 1
+
+
+# -- bounded reads -----------------------------------------------------------------------------
+class _FakeNode:
+    def __init__(self, entries: dict[str, tuple[dict, float]]):
+        self.entries = entries
+
+    async def get(self, key: str, latest: bool = False) -> SimpleNamespace:
+        items = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in self.entries.items()}
+        return SimpleNamespace(value=items)
+
+
+class _FakeP2P:
+    peer_id = SimpleNamespace(to_base58=lambda: PeerKey.generate().peer_id)
+
+
+def _overlay(entries: dict[str, tuple[dict, float]], max_cards: int) -> Overlay:
+    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=max_cards)
+    return Overlay(config, _FakeP2P(), _FakeNode(entries), SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
+
+
+def _signed(key: PeerKey, age_s: float = 0.0, **fields: object) -> tuple[dict, float]:
+    c = card(key, updated_ms=int((time.time() - age_s) * 1000), **fields).signed(key, SWARM, 60)
+    return c.model_dump(mode="json"), c.expires_ms / 1000
+
+
+def test_get_cards_is_bounded_and_keeps_preferred_worked_and_newest_peers() -> None:
+    honest = [PeerKey.generate() for _ in range(3)]
+    entries = {k.peer_id: _signed(k, age_s=1.0) for k in honest}
+    flood = [PeerKey.generate() for _ in range(60)]
+    entries.update({k.peer_id: _signed(k, age_s=5.0) for k in flood})
+    worker, learner = PeerKey.generate(), PeerKey.generate()
+    entries[worker.peer_id] = _signed(worker, age_s=50.0)
+    entries[learner.peer_id] = _signed(learner, age_s=50.0, role="learner")
+    entries["garbage"] = ({"peer_id": "nope"}, time.time() + 30)
+    overlay = _overlay(entries, max_cards=8)
+    overlay.saw_work(worker.peer_id)
+    cards, bad = asyncio.run(overlay.get_cards(prefer=[learner.peer_id]))
+    ids = {c.peer_id for c in cards}
+    assert len(cards) == 8
+    assert {worker.peer_id, learner.peer_id} | {k.peer_id for k in honest} <= ids
+    assert overlay.cards_dropped == len(entries) - 8 - bad
+
+
+def test_get_cards_keeps_incumbents_over_newer_newcomers() -> None:
+    first = [PeerKey.generate() for _ in range(4)]
+    entries = {k.peer_id: _signed(k, age_s=20.0) for k in first}
+    overlay = _overlay(entries, max_cards=8)
+    assert len(asyncio.run(overlay.get_cards())[0]) == 4
+    entries.update({k.peer_id: _signed(k) for k in (PeerKey.generate() for _ in range(30))})
+    ids = {c.peer_id for c in asyncio.run(overlay.get_cards())[0]}
+    assert {k.peer_id for k in first} <= ids
+
+
+def test_get_cards_refuses_what_the_validator_would() -> None:
+    good, bad = PeerKey.generate(), PeerKey.generate()
+    value, expiry = _signed(bad)
+    entries = {good.peer_id: _signed(good), bad.peer_id: (dict(value, price=0.0), expiry)}
+    cards, refused_count = asyncio.run(_overlay(entries, max_cards=8).get_cards())
+    assert [c.peer_id for c in cards] == [good.peer_id] and refused_count == 1
