@@ -33,8 +33,9 @@ def test_a_lease_hoarder_gets_its_probation_share_and_is_banned_after_lapses(
     local_swarm.ready(honest)
     info = learner.info["chunk_url"] + "/v1/info"
     metrics = learner.state_dir / "run" / "metrics.jsonl"
-    wait_until(lambda: len(read_metrics(metrics)) >= 3, 120, what="the learner training on the honest peer")
+    wait_until(lambda: len(read_metrics(metrics)) >= 12, 120, what="the learner training on the honest peer")
     delivered_before = http_json(info)["stats"]["accepted"]
+    before = read_metrics(metrics)
 
     async def hoard() -> tuple[int, int, str]:
         taken = asks = 0
@@ -52,10 +53,15 @@ def test_a_lease_hoarder_gets_its_probation_share_and_is_banned_after_lapses(
         return taken, asks, ""
 
     taken, asks, last_reason = asyncio.run(hoard())
+    during = read_metrics(metrics)[len(before):]
     assert "banned" in last_reason and "lapsed" in last_reason, last_reason
     assert asks > 20 and taken <= 2 * 2, f"the hoarder took {taken} prompts in {asks} requests"  # probation, twice
     stats = http_json(info)["stats"]
     assert stats["leases"]["leases_expired"] >= 2
     assert stats["accepted"] > delivered_before, "the honest peer kept delivering during the hoarding"
+    # The learner keeps at least half its step rate while the hoarder is at work.
+    rate_before = (len(before) - 3) / (before[-1]["time_s"] - before[2]["time_s"])
+    rate_during = len(during) / (during[-1]["time_s"] - before[-1]["time_s"])
+    assert rate_during >= 0.5 * rate_before, (rate_before, rate_during)
     steps = len(read_metrics(metrics))
     wait_until(lambda: len(read_metrics(metrics)) >= steps + 3, 120, what="training to go on after the ban")
