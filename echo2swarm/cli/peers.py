@@ -74,6 +74,18 @@ def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
     asyncio.run(_peers(config, as_json, watch, interval))
 
 
+def _nothing_read(config: Any, view: dict[str, Any]) -> str:
+    """Why `peers` found no card, and what to check (exit non-zero: an empty list would look like an empty swarm)."""
+    refused = view.get("malformed_records", 0)
+    what = (f"{refused} records were refused as invalid (unsigned, forged or malformed cards; other peers run "
+            "an incompatible echo2swarm version?)" if refused else "the DHT returned no card at all")
+    return (
+        f"no peer card readable in swarm '{config.swarm}': {what}. Check that --swarm matches the daemons' "
+        f"--swarm, that they are running (their logs say 'is up'), and that {', '.join(config.initial_peers)} "
+        "is reachable from here (address, port, firewall)"
+    )
+
+
 async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> None:
     import asyncio
 
@@ -90,6 +102,11 @@ async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> No
     try:
         if not watch:
             view = await census(overlay)
+            if not view["peers"]:
+                fail(_nothing_read(config, view))
+            if view.get("cards_left_out"):
+                click.echo(f"note: {view['cards_left_out']} more peer cards in the DHT not shown (at most "
+                           f"{config.max_cards} are read; a flood of cards?)", err=True)
             if as_json:
                 click.echo(json.dumps(view["peers"], indent=2))
             else:

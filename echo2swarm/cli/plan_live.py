@@ -41,10 +41,15 @@ async def _read(config: Any, timeout: float) -> tuple[dict[str, Any], list[Any]]
     except BootstrapError as e:
         fail(str(e))
     try:
-        cards, _ = await overlay.get_cards()
+        heads, _ = await overlay.get_heads()
+        publishers = [h.publisher for h in sorted(heads, key=lambda h: -h.version) if h.signature_ok()]
+        cards, _ = await overlay.get_cards(prefer=publishers)
     finally:
         await overlay.stop()
-    learners = [c for c in cards if c.role == "learner" and c.state != "stopping" and c.chunk_url]
+    # Head publishers first: only the learner signs cards under its peer id, but anyone can sign a
+    # card that says "learner" under a key of their own.
+    learners = sorted((c for c in cards if c.role == "learner" and c.state != "stopping" and c.chunk_url),
+                      key=lambda c: c.peer_id not in publishers)
     if not learners:
         fail(f"no learner in swarm '{config.swarm}' yet: type --rollouts-per-step and --t-train with --workers instead")
     measured: dict[str, Any] = {}

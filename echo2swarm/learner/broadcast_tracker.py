@@ -7,6 +7,11 @@ T_bcast(v) is the time until every peer the plan covered holds v (or a newer ver
 to), as the peers report it (from seeing the head to installed: durations, so no clock sync
 between machines is assumed). Peers that left or went to standby meanwhile are not waited for.
 The capacity model reads `t_bcast_s` (EWMA).
+
+Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_cards` cards, and a
+plan puts the followers seen doing work here (leases, submissions) first, in the order their
+upload caps give, and at most MAX_UNPROVEN others after them, at the tail of every chain, where
+a card that leads nowhere (anyone can sign cards with fresh keys) holds up no proven peer.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 KEEP_PLANS = 16
+MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
 EWMA_ALPHA = 0.3
 
 
@@ -43,7 +49,7 @@ class BroadcastTracker:
 
     def plan(self, version: int) -> bytes:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""
-        receivers = [(c.peer_id, c.upload_bps) for c in self.followers()]
+        receivers = self.receivers()
         plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds)
         data = plan.to_bytes()
         self.plans[version] = data
@@ -53,6 +59,18 @@ class BroadcastTracker:
         while len(self._receivers) > KEEP_PLANS:
             self._receivers.popitem(last=False)
         return data
+
+    def receivers(self) -> list[tuple[str, int | None]]:
+        """(peer id, upload cap) to plan over: proven followers with their caps, then a few others as the slowest."""
+        worked_fn = getattr(self.overlay, "worked", None)  # overlays without work tracking (test doubles): none proven
+        worked = worked_fn() if worked_fn is not None else set()
+        followers = self.followers()
+        proven = [(c.peer_id, c.upload_bps) for c in followers if c.peer_id in worked]
+        others = sorted((c for c in followers if c.peer_id not in worked), key=lambda c: -c.updated_ms)[:MAX_UNPROVEN]
+        if not proven:  # nobody to protect: the others keep their caps
+            return [(c.peer_id, c.upload_bps) for c in others]
+        # A cap of 0 sorts after every proven peer (plan_chains orders uncapped, then fastest first).
+        return proven + [(c.peer_id, 0) for c in others]
 
     def get_plan(self, version: int) -> bytes | None:
         return self.plans.get(version)

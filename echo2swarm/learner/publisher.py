@@ -122,8 +122,18 @@ class Publisher:
         )
         return PublishedVersion(version, sha256_hex(envelope), len(envelope))
 
-    def sign_head(self, published: PublishedVersion, ttl_s: float) -> HeadRecord:
-        """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it)."""
+    def sign_head(
+        self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None
+    ) -> HeadRecord:
+        """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it).
+
+        It carries where followers reach us (chunk URL, multiaddrs): given, or what this process's
+        overlay advertises for our peer id; so no forged card can send followers elsewhere.
+        """
+        from echo2swarm.overlay.node import advertised
+
+        if chunk_url is None and maddrs is None:
+            chunk_url, maddrs = advertised(self.peer_id)
         now_ms = int(time.time() * 1000)
         return HeadRecord(
             swarm=self.swarm,
@@ -134,4 +144,6 @@ class Publisher:
             published_ms=now_ms,
             expires_ms=now_ms + int(ttl_s * 1000),
             public_key=self.key.public.text,
+            chunk_url=chunk_url,
+            maddrs=list(maddrs or [])[:8],
         ).signed(self.key)

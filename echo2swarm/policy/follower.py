@@ -87,6 +87,7 @@ class PolicyFollower:
         self._first_seen: dict[int, float] = {}
         self._cards: list[PeerCard] = []
         self._sources: dict[str, ChunkSource] = {}
+        self._publisher_cache: tuple[tuple[str, str | None, tuple[str, ...]], ChunkSource] | None = None
         self.plan: BroadcastPlan | None = None
         self._logged: set[tuple[str, int, str]] = set()
         self._offered: HeadRecord | None = None
@@ -184,7 +185,7 @@ class PolicyFollower:
         assert self.trust.key is not None
         self._first_seen.setdefault(head.version, time.monotonic())
         await self._refresh_cards()
-        publisher = self._source_for(head.publisher)
+        publisher = self._publisher_source(head)
         if publisher is None:
             raise FetchError(f"v{head.version}: the learner {head.publisher[-8:]} has no reachable card yet")
         self.fetching_version = head.version
@@ -243,7 +244,7 @@ class PolicyFollower:
 
     # -- sources ---------------------------------------------------------------------------------
     async def _refresh_cards(self) -> None:
-        cards, _ = await self.overlay.get_cards()
+        cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else ())
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
 
     async def _refresh_while_fetching(self) -> None:
@@ -265,6 +266,21 @@ class PolicyFollower:
             p2p = P2PSource(self.overlay, peer_id, list(card.maddrs), self.fetch_config, name=name)
             source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id, url=card.chunk_url)
         return source
+
+    def _publisher_source(self, head: HeadRecord) -> ChunkSource | None:
+        """The learner's source: from the addresses in its head (signed by the trusted policy key) when
+        it has them, else from its card (which only the learner's libp2p key can sign)."""
+        if head.chunk_url is None and not head.maddrs:
+            return self._source_for(head.publisher)
+        address = (head.publisher, head.chunk_url, tuple(head.maddrs))
+        cached = self._publisher_cache
+        if cached is None or cached[0] != address:
+            name = f"learner:{head.publisher[-8:]}"
+            http = HttpSource(self.session, head.chunk_url, self.fetch_config, name=name, peer_id=head.publisher) \
+                if head.chunk_url else None
+            p2p = P2PSource(self.overlay, head.publisher, list(head.maddrs), self.fetch_config, name=name)
+            cached = self._publisher_cache = (address, PeerSource(http, p2p, name, head.publisher, url=head.chunk_url))
+        return cached[1]
 
     def _holders(self, version: int) -> list[ChunkSource]:
         out = []
