@@ -266,6 +266,24 @@ class FetchConfig(StrictModel):
     )
     stall_timeout_s: float = Field(15.0, gt=0, description="Seconds without a byte from a source before moving on.")
     retry_backoff_s: float = Field(1.0, ge=0, description="Base of the exponential back-off after a failed version fetch.")
+    min_rate_bps: int = Field(
+        8 * 1024, ge=0, le=10**12,
+        description="Slowest transfer, in bytes/s ('8KiB' accepted), a source may keep up once a body has started "
+        "and min_rate_grace_s has passed: slower, it is cut off mid-transfer and banned (ban_s). 0: no minimum. "
+        "The default lets a peer capped at 128 KiB/s serve all 16 of its upload slots at once.",
+    )
+    min_rate_grace_s: float = Field(
+        10.0, ge=0, le=600,
+        description="Seconds of a body (from its response header) not held to min_rate_bps: latency, the first "
+        "bytes, an upload limiter's queue. After it a body must have brought min_rate_bps x (elapsed - grace) bytes.",
+    )
+    ban_s: float = Field(
+        60.0, gt=0, le=86400,
+        description="Seconds a peer is not asked for anything after it stalled, fell below min_rate_bps, was "
+        "unreachable or served a truncated, oversized or wrong body; doubles with each repeat, up to ban_max_s. "
+        "Kept across versions. The learner is never banned: it is asked again after retry_backoff_s, doubling.",
+    )
+    ban_max_s: float = Field(1800.0, gt=0, le=86400, description="Longest ban of one source, in seconds.")
     max_manifest_bytes: int = Field(16 * MiB, ge=1024, description="Largest manifest accepted, in bytes.")
     max_chunk_bytes: int = Field(64 * MiB, ge=1024, description="Largest chunk accepted, in bytes.")
 
@@ -273,6 +291,17 @@ class FetchConfig(StrictModel):
     @classmethod
     def _bytes(cls, v: object) -> int:
         return parse_bytes(v)  # type: ignore[arg-type]
+
+    @field_validator("min_rate_bps", mode="before")
+    @classmethod
+    def _rate(cls, v: object) -> int:
+        return parse_bytes(v.strip().removesuffix("/s") if isinstance(v, str) else v)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _bans(self) -> "FetchConfig":
+        if self.ban_max_s < self.ban_s:
+            raise ValueError(f"fetch.ban_max_s={self.ban_max_s} is below fetch.ban_s={self.ban_s}")
+        return self
 
 
 class StoreConfig(StrictModel):

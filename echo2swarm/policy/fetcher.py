@@ -3,10 +3,19 @@
     route(i) ──► [plan parent (may hold the request until it has chunk i), holders, learner last] ──► PolicyFetcher
         manifest: first source whose bytes match the head's sha256 and the pinned signature
         chunks:   `parallel_chunks` in flight, in manifest order (so chains pipeline); each chunk
-                  tries its route in order, moves on when a source is busy, missing the chunk,
-                  unreachable or stalled, and bans a source for this version on a hash mismatch
+                  tries its route in order and moves on when a source is busy, missing the chunk,
+                  unreachable, stalled, too slow or wrong
 
 A chunk whose bytes do not hash to its name is never written, so it can never be served onward.
+
+Sources that misbehave are banned (`SourceBans`): a source that stalls, falls below
+`fetch.min_rate_bps` once a body has had `fetch.min_rate_grace_s`, is unreachable, or sends a
+truncated, oversized or wrong body is not asked again for `fetch.ban_s`, doubling with each repeat
+up to `fetch.ban_max_s`. The bans outlive the version fetch (the follower keeps one `SourceBans`
+for its lifetime), so a dripping peer costs one grace period, not one per chunk of every version.
+The learner (the publisher, the source of last resort) is never banned: when it misbehaves it is
+paused for `fetch.retry_backoff_s`, doubling, and asked again.
+
 Sources are a Protocol with two transports: HTTP (`HttpSource`) and libp2p streams
 (`policy/p2p.py`); `PeerSource` uses a peer's HTTP server and falls back to libp2p when the
 server cannot be reached.
@@ -17,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
@@ -28,10 +38,12 @@ from echo2swarm.policy.manifest import ChunkRef, Manifest, ManifestError, verify
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PublicKey
 from echo2swarm.policy.store import Assembly, ChunkHashError, ChunkStore
+from echo2swarm.runtime.aio import BACKOFF_MAX_S, backoff_s
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # a peer that does not accept a TCP connection within this is unreachable over HTTP
+MAX_BAN_RECORDS = 1024  # sources whose bans (and strike counts) a follower remembers at most
 
 
 class SourceError(Exception):
@@ -48,6 +60,36 @@ class SourceMissing(SourceError):
 
 class SourceUnreachable(SourceError):
     """The transport could not reach the source at all."""
+
+
+class SourceFault(SourceError):
+    """The source misbehaved while sending a body: it gets banned. `reason` names how (a stats label)."""
+
+    reason = "fault"
+
+
+class SourceStalled(SourceFault):
+    """Nothing arrived from the source for `fetch.stall_timeout_s` (plus the wait it was asked to hold)."""
+
+    reason = "stalled"
+
+
+class SourceSlow(SourceFault):
+    """The body came slower than `fetch.min_rate_bps` after the grace period, or not within the request's timeout."""
+
+    reason = "slow"
+
+
+class SourceTruncated(SourceFault):
+    """The body ended before its `Content-Length` or the size the manifest names."""
+
+    reason = "truncated"
+
+
+class SourceOversized(SourceFault):
+    """The body (or its `Content-Length`) is larger than what was asked for."""
+
+    reason = "oversized"
 
 
 class FetchError(Exception):
@@ -80,6 +122,63 @@ def rotating(sources: list[ChunkSource]) -> Route:
     return route
 
 
+@dataclass(frozen=True)
+class MinRate:
+    """The minimum-rate rule for one body, which began (its response header came) at `started`.
+
+    After `grace_s` the body must have brought `rate_bps` bytes per second of its age beyond the
+    grace: `received >= rate_bps * (now - started - grace_s)`. So the next bytes are due by
+    `deadline(received)`. A source that sends in bursts (an upload limiter hands out 256 KiB
+    blocks in turn) passes as long as it keeps the average; one that drips a byte now and then
+    is cut at about `started + grace_s`.
+    """
+
+    rate_bps: int
+    grace_s: float
+    started: float
+
+    def deadline(self, received: int) -> float | None:
+        """When the body is too slow unless more bytes have come; None: no minimum."""
+        if self.rate_bps <= 0:
+            return None
+        return self.started + self.grace_s + received / self.rate_bps
+
+    def describe(self, received: int, now: float) -> str:
+        return (f"{received} bytes in {now - self.started:.1f} s, below {self.rate_bps} bytes/s "
+                f"after a {self.grace_s:g} s grace")
+
+
+async def read_body(
+    readany: Callable[[], Awaitable[bytes]], max_bytes: int, rule: MinRate, what: str,
+    clock: Callable[[], float] = time.monotonic,
+) -> bytes:
+    """Read a body piece by piece (`readany` returns b"" at its end), at most `max_bytes`, held to `rule`.
+
+    Raises SourceOversized past `max_bytes` and SourceSlow when the next bytes are not there by
+    `rule.deadline`. Errors of the transport itself (a stall, a reset) propagate as they are.
+    """
+    buf = bytearray()
+    while True:
+        deadline = rule.deadline(len(buf))
+        if deadline is None:
+            piece = await readany()
+        else:
+            left = deadline - clock()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                piece = await asyncio.wait_for(readany(), left)
+            except aiohttp.ServerTimeoutError:
+                raise  # the transport's own stall timeout: not ours to rename
+            except asyncio.TimeoutError:
+                raise SourceSlow(f"{what}: {rule.describe(len(buf), clock())}") from None
+        if not piece:
+            return bytes(buf)
+        buf += piece
+        if len(buf) > max_bytes:
+            raise SourceOversized(f"{what}: response exceeds the {max_bytes} byte limit")
+
+
 class HttpSource:
     """A peer's chunk server, addressed by the `chunk_url` of its card."""
 
@@ -95,29 +194,31 @@ class HttpSource:
         limits = aiohttp.ClientTimeout(
             total=timeout + wait, sock_connect=min(timeout, CONNECT_TIMEOUT_S), sock_read=self.config.stall_timeout_s + wait
         )
+        what = f"{self.name}{path}"
         try:
             async with self.session.get(self.url + path, timeout=limits) as resp:
                 if resp.status == 503:
-                    raise SourceBusy(f"{self.name}{path}: busy")
+                    raise SourceBusy(f"{what}: busy")
                 if resp.status == 404:
-                    raise SourceMissing(f"{self.name}{path}: not held")
+                    raise SourceMissing(f"{what}: not held")
                 if resp.status != 200:
-                    raise SourceError(f"{self.name}{path}: HTTP {resp.status}")
-                if resp.content_length is not None:
-                    if resp.content_length > max_bytes:
-                        raise SourceError(f"{self.name}{path}: {resp.content_length} bytes exceeds the {max_bytes} limit")
-                    return await resp.read()  # one buffer, no per-piece copies; aiohttp stops at Content-Length
-                buf = bytearray()
-                async for piece in resp.content.iter_chunked(1 << 16):
-                    buf += piece
-                    if len(buf) > max_bytes:
-                        raise SourceError(f"{self.name}{path}: response exceeds the {max_bytes} byte limit")
-                return bytes(buf)
+                    raise SourceError(f"{what}: HTTP {resp.status}")
+                if resp.content_length is not None and resp.content_length > max_bytes:
+                    raise SourceOversized(f"{what}: {resp.content_length} bytes exceeds the {max_bytes} limit")
+                # aiohttp stops at Content-Length, and raises ClientPayloadError if the body ends before it.
+                rule = MinRate(self.config.min_rate_bps, self.config.min_rate_grace_s, time.monotonic())
+                return await read_body(resp.content.readany, max_bytes, rule, what)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             # Refused, unroutable or filtered: this transport cannot reach the peer (libp2p may).
             raise SourceUnreachable(f"{self.name}: {type(e).__name__}: {e}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError(f"{self.name}{path}: {type(e).__name__}: {e}") from None
+        except aiohttp.ClientPayloadError as e:
+            raise SourceTruncated(f"{what}: the body ended early ({type(e).__name__}: {e})") from None
+        except aiohttp.ServerTimeoutError:  # sock_read: not a byte for stall_timeout_s (+ the wait asked)
+            raise SourceStalled(f"{what}: nothing for {self.config.stall_timeout_s + wait:g} s") from None
+        except asyncio.TimeoutError:  # the whole request's timeout: bytes came, too slowly to finish
+            raise SourceSlow(f"{what}: not done within {timeout + wait:g} s") from None
+        except (aiohttp.ClientError, OSError) as e:
+            raise SourceError(f"{what}: {type(e).__name__}: {e}") from None
 
     async def manifest(self, version: int, max_bytes: int) -> bytes:
         return await self._get(f"/v1/manifest/{version}", max_bytes, self.config.manifest_timeout_s)
@@ -130,23 +231,29 @@ class HttpSource:
         data = await self._get(
             f"/v1/chunk/{ref.sha256}{query}", min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait
         )
-        if len(data) != ref.size:
-            raise SourceError(f"{self.name}: chunk {ref.sha256[:12]} is {len(data)} bytes, expected {ref.size}")
+        if len(data) != ref.size:  # never more: read_body stops at min(ref.size, max_chunk_bytes)
+            raise SourceTruncated(f"{self.name}: chunk {ref.sha256[:12]} is {len(data)} bytes, expected {ref.size}")
         return data
 
 
 class PeerSource:
-    """A peer over HTTP when its card has a chunk URL we can reach, else over libp2p streams."""
+    """A peer over HTTP when its card has a chunk URL we can reach, else over libp2p streams.
+
+    Over libp2p a chunk request is also held to the minimum rate, as a whole: it must be done
+    within wait + CONNECT_TIMEOUT_S + min_rate_grace_s + size / min_rate_bps (HTTP checks it as
+    the bytes come, `read_body`).
+    """
 
     def __init__(self, http: ChunkSource | None, p2p: ChunkSource | None, name: str, peer_id: str,
-                 url: str | None = None):
+                 url: str | None = None, config: FetchConfig | None = None):
         assert http is not None or p2p is not None
         self.http, self.p2p = http, p2p
         self.url = url  # the card's chunk_url this source was built from
         self.name = name
         self.peer_id = peer_id
+        self.config = config
 
-    async def _call(self, method: str, *args: object, **kwargs: object) -> bytes:
+    async def _call(self, method: str, *args: object, p2p_limit_s: float | None = None, **kwargs: object) -> bytes:
         if self.http is not None:
             try:
                 return await getattr(self.http, method)(*args, **kwargs)
@@ -156,7 +263,17 @@ class PeerSource:
                 logger.info("%s: HTTP unreachable (%s); using libp2p from now on", self.name, e)
                 self.http = None
         assert self.p2p is not None
-        return await getattr(self.p2p, method)(*args, **kwargs)
+        if p2p_limit_s is None:
+            return await getattr(self.p2p, method)(*args, **kwargs)
+        try:
+            return await asyncio.wait_for(getattr(self.p2p, method)(*args, **kwargs), p2p_limit_s)
+        except asyncio.TimeoutError:
+            raise SourceSlow(f"{self.name}: {method} over libp2p not done within {p2p_limit_s:.1f} s") from None
+
+    def _p2p_limit_s(self, size: int, wait: float) -> float | None:
+        if self.config is None or self.config.min_rate_bps <= 0:
+            return None
+        return wait + CONNECT_TIMEOUT_S + self.config.min_rate_grace_s + size / self.config.min_rate_bps
 
     async def manifest(self, version: int, max_bytes: int) -> bytes:
         return await self._call("manifest", version, max_bytes)
@@ -165,24 +282,122 @@ class PeerSource:
         return await self._call("plan", version, max_bytes)
 
     async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
-        return await self._call("chunk", ref, wait=wait, version=version)
+        return await self._call("chunk", ref, wait=wait, version=version, p2p_limit_s=self._p2p_limit_s(ref.size, wait))
+
+
+@dataclass
+class _Ban:
+    strikes: int  # bans in a row: the next one lasts twice as long
+    until: float  # monotonic seconds
+    reason: str
+
+
+class SourceBans:
+    """Which sources not to ask, until when, and why: kept by the follower across versions.
+
+    A strike bans a peer for `fetch.ban_s`, doubled for each ban in a row (`backoff_s`), at most
+    `fetch.ban_max_s`; the learner (`last_resort`) is only paused, for `fetch.retry_backoff_s`
+    doubling up to BACKOFF_MAX_S. A strike while the source is still banned adds nothing (requests
+    already in flight when it was banned come back bad too). A source whose ban ended more than
+    `ban_max_s` ago starts afresh. At most MAX_BAN_RECORDS sources are remembered: past that the
+    one whose ban ends first is forgotten. Bans go by source name (`<role>:<last 8 of the peer
+    id>`), so they hold across a `PeerSource` rebuilt for a new chunk URL.
+
+    Counted in `stats` (the fetcher's, `stats.fetch` in /v1/info): `bans` and `bans_<reason>` for
+    peers, `learner_backoffs` and `learner_backoffs_<reason>` for the learner.
+    """
+
+    def __init__(self, config: FetchConfig, stats: Counter[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic, max_records: int = MAX_BAN_RECORDS):
+        self.config = config
+        self.stats: Counter[str] = stats if stats is not None else Counter()
+        self.clock = clock
+        self.max_records = max_records
+        self._bans: OrderedDict[str, _Ban] = OrderedDict()
+
+    def _get(self, name: str, now: float) -> _Ban | None:
+        ban = self._bans.get(name)
+        if ban is not None and now - ban.until > self.config.ban_max_s:
+            del self._bans[name]  # behaved (or was not asked) for a whole longest ban: forgotten
+            return None
+        return ban
+
+    def remaining(self, name: str) -> float:
+        """Seconds until `name` may be asked again (0: now)."""
+        now = self.clock()
+        ban = self._get(name, now)
+        return 0.0 if ban is None else max(0.0, ban.until - now)
+
+    def banned(self, name: str) -> bool:
+        return self.remaining(name) > 0
+
+    def reason(self, name: str) -> str | None:
+        ban = self._bans.get(name)
+        return None if ban is None else ban.reason
+
+    def active(self) -> dict[str, float]:
+        """Sources banned now: name -> seconds left."""
+        now = self.clock()
+        return {name: round(ban.until - now, 3) for name, ban in self._bans.items() if ban.until > now}
+
+    def strike(self, name: str, reason: str, *, last_resort: bool = False, detail: str = "") -> float | None:
+        """`name` misbehaved (`reason`): ban it (pause it, as `last_resort`). Returns the seconds, or
+        None when it was banned already."""
+        now = self.clock()
+        ban = self._get(name, now)
+        if ban is not None and ban.until > now:
+            return None
+        strikes = 1 if ban is None else ban.strikes + 1
+        if last_resort:
+            seconds = backoff_s(strikes, self.config.retry_backoff_s, BACKOFF_MAX_S)
+            kind = "learner_backoffs"
+        else:
+            seconds = backoff_s(strikes, self.config.ban_s, self.config.ban_max_s)
+            kind = "bans"
+        self._bans[name] = _Ban(strikes, now + seconds, reason)
+        self._bans.move_to_end(name)
+        self.stats[kind] += 1
+        self.stats[f"{kind}_{reason}"] += 1
+        if last_resort:
+            logger.warning("the learner's source %s %s: asked again in %.1f s (pause %d in a row)%s",
+                           name, reason, seconds, strikes, f": {detail}" if detail else "")
+        else:
+            logger.warning("source %s banned for %.0f s (%s, ban %d in a row)%s",
+                           name, seconds, reason, strikes, f": {detail}" if detail else "")
+        while len(self._bans) > self.max_records:
+            first = min(self._bans, key=lambda n: self._bans[n].until)
+            del self._bans[first]
+        return seconds
 
 
 class PolicyFetcher:
-    """Fetch and verify one version at a time into a ChunkStore. `stats` counts every outcome."""
+    """Fetch and verify one version at a time into a ChunkStore. `stats` counts every outcome.
 
-    def __init__(self, config: FetchConfig, chunks: ChunkStore):
+    `bans` (made here unless given) outlives every version fetch: keep one fetcher per follower.
+    """
+
+    def __init__(self, config: FetchConfig, chunks: ChunkStore, bans: SourceBans | None = None):
         self.config = config
         self.chunks = chunks
         self.stats: Counter[str] = Counter()
+        self.bans = bans if bans is not None else SourceBans(config)
+        self.bans.stats = self.stats  # its counters are reported with the fetch's (`stats.fetch`)
         self.bytes_from: Counter[str] = Counter()  # by source name, for the current version
 
+    def _fault(self, source: ChunkSource, reason: str, detail: str, publisher: str | None) -> None:
+        self.bans.strike(source.name, reason, last_resort=source.name == publisher, detail=detail)
+
     async def fetch_manifest(
-        self, head: HeadRecord, sources: list[ChunkSource], *, trusted: PublicKey, swarm: str
+        self, head: HeadRecord, sources: list[ChunkSource], *, trusted: PublicKey, swarm: str,
+        publisher: str | None = None,
     ) -> tuple[Manifest, bytes]:
+        """The first manifest among `sources` that verifies. Banned sources are skipped, except
+        `publisher` (the name of the learner's source), which is always asked."""
         limit = min(head.manifest_size, self.config.max_manifest_bytes)
         last: Exception | None = None
         for source in sources:
+            if source.name != publisher and self.bans.banned(source.name):
+                continue
             try:
                 data = await source.manifest(head.version, limit)
                 manifest = verify_manifest(
@@ -191,11 +406,18 @@ class PolicyFetcher:
                 return manifest, data
             except SourceError as e:
                 self.stats["source_error"] += 1
+                if isinstance(e, SourceFault):
+                    self.stats[f"source_{e.reason}"] += 1
+                    self._fault(source, e.reason, str(e), publisher)
+                elif isinstance(e, SourceUnreachable) and source.name != publisher:
+                    self._fault(source, "unreachable", str(e), publisher)
                 last = e
             except ManifestError as e:
                 # A signed head but a bad manifest means the source lies: try the next one.
                 self.stats[f"manifest_{e.reason}"] += 1
                 logger.warning("manifest v%d from %s refused: %s", head.version, source.name, e)
+                if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
+                    self._fault(source, "bad_manifest", str(e), publisher)
                 last = e
         if isinstance(last, ManifestError):
             raise last
@@ -206,17 +428,34 @@ class PolicyFetcher:
         if sink is not None:
             sink.write(sha256, data)
 
+    async def _usable(
+        self, route: list[tuple[ChunkSource, float]], publisher: str | None, deadline: float, version: int
+    ) -> list[tuple[ChunkSource, float]]:
+        """The route without banned sources. When only the learner is left and it is paused, wait out
+        its pause (within the chunk's deadline) and ask it anyway: it is the last resort."""
+        usable = [(s, w) for s, w in route if not self.bans.banned(s.name)]
+        if usable:
+            return usable
+        last = next(((s, w) for s, w in route if s.name == publisher), None)
+        if last is None:
+            raise FetchError(f"v{version}: every source is banned or gone")
+        pause = self.bans.remaining(last[0].name)
+        if time.monotonic() + pause > deadline:
+            raise FetchError(f"v{version}: every peer is banned and the learner is paused past the chunk's deadline")
+        await asyncio.sleep(pause)
+        return [last]
+
     async def fetch_chunks(
         self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None,
-        sink: Assembly | None = None,
+        sink: Assembly | None = None, publisher: str | None = None,
     ) -> int:
         """Fetch every chunk not yet stored, in manifest order. Returns the number fetched.
 
         Each chunk is hashed in memory, stored, and (with `sink`) written straight into the
-        version's files being assembled.
+        version's files being assembled. `publisher` names the learner's source: never banned,
+        only paused (`SourceBans`).
         """
         missing = [(i, ref) for i, ref in enumerate(manifest.chunk_refs()) if not self.chunks.has(ref.sha256)]
-        banned: set[str] = set()  # served bad bytes, or unreachable over every transport
         self.bytes_from = Counter()
         slots = asyncio.Semaphore(self.config.parallel_chunks)
 
@@ -226,11 +465,10 @@ class PolicyFetcher:
                 deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
                 while True:
                     only_busy = True
-                    candidates = [(s, w) for s, w in route(index, ref) if s.name not in banned]
-                    if not candidates:
-                        raise FetchError(f"v{manifest.version}: every source is banned or gone")
-                    for source, wait in candidates:
-                        if source.name in banned:
+                    candidates = await self._usable(route(index, ref), publisher, deadline, manifest.version)
+                    for n, (source, wait) in enumerate(candidates):
+                        # Banned meanwhile (by another chunk's request): skip it, unless it is all there is.
+                        if n and self.bans.banned(source.name):
                             continue
                         try:
                             data = await source.chunk(ref, wait=wait, version=manifest.version)
@@ -240,8 +478,7 @@ class PolicyFetcher:
                         except SourceUnreachable as e:
                             self.stats["source_unreachable"] += 1
                             only_busy = False
-                            banned.add(source.name)
-                            logger.info("%s is unreachable; not asked again for v%d: %s", source.name, manifest.version, e)
+                            self._fault(source, "unreachable", str(e), publisher)
                             continue
                         except SourceMissing:
                             self.stats["source_missing"] += 1
@@ -250,18 +487,22 @@ class PolicyFetcher:
                         except SourceError as e:
                             self.stats["source_error"] += 1
                             only_busy = False
-                            logger.info("chunk %s: %s", ref.sha256[:12], e)
+                            if isinstance(e, SourceFault):
+                                self.stats[f"source_{e.reason}"] += 1
+                                self._fault(source, e.reason, f"chunk {ref.sha256[:12]} of v{manifest.version}: {e}",
+                                            publisher)
+                            else:
+                                logger.info("chunk %s: %s", ref.sha256[:12], e)
                             continue
                         try:
                             await asyncio.to_thread(self._keep, ref.sha256, data, sink)
                         except ChunkHashError:
                             self.stats["bad_chunk"] += 1
-                            banned.add(source.name)
                             only_busy = False
-                            logger.warning(
-                                "chunk %s from %s does not match its hash: refused, source banned for v%d",
-                                ref.sha256[:12], source.name, manifest.version,
-                            )
+                            logger.warning("chunk %s of v%d from %s does not match its hash: refused, source banned",
+                                           ref.sha256[:12], manifest.version, source.name)
+                            self._fault(source, "bad_chunk", f"chunk {ref.sha256[:12]} of v{manifest.version}",
+                                        publisher)
                             continue
                         self.stats["chunks_fetched"] += 1
                         self.stats["bytes_fetched"] += ref.size

@@ -79,6 +79,8 @@ class PolicyFollower:
         self.inflight = inflight or InFlight()
         self.inflight.poke = self.poke
         self.fetcher = PolicyFetcher(fetch, chunks)
+        # Sources that stalled, were too slow or lied, and until when: kept across versions (fetcher.py).
+        self.bans = self.fetcher.bans
         self.held_version: int | None = versions.latest()
         self.ready_version: int | None = None  # installed and handed to on_version
         self.fetching_version: int | None = None
@@ -194,7 +196,8 @@ class PolicyFollower:
         try:
             try:
                 manifest, envelope = await self.fetcher.fetch_manifest(
-                    head, self._manifest_sources(head, publisher), trusted=self.trust.key, swarm=self.swarm
+                    head, self._manifest_sources(head, publisher), trusted=self.trust.key, swarm=self.swarm,
+                    publisher=publisher.name,
                 )
             except ManifestError as e:
                 self._refuse(e, head)
@@ -206,7 +209,7 @@ class PolicyFollower:
             try:
                 fetched = await self.fetcher.fetch_chunks(
                     manifest, lambda i, ref: self._route(head, publisher, i, ref), on_chunk=self.inflight.arrived,
-                    sink=assembly,
+                    sink=assembly, publisher=publisher.name,
                 )
                 path = await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks)
             except BaseException:
@@ -264,7 +267,8 @@ class PolicyFollower:
             name = f"{card.role}:{peer_id[-8:]}"
             http = HttpSource(self.session, card.chunk_url, self.fetch_config, name=name, peer_id=peer_id) if card.chunk_url else None
             p2p = P2PSource(self.overlay, peer_id, list(card.maddrs), self.fetch_config, name=name)
-            source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id, url=card.chunk_url)
+            source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id, url=card.chunk_url,
+                                                         config=self.fetch_config)
         return source
 
     def _publisher_source(self, head: HeadRecord) -> ChunkSource | None:
