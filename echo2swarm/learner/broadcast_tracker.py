@@ -8,6 +8,12 @@ to), as the peers report it (from seeing the head to installed: durations, so no
 between machines is assumed). Peers that left or went to standby meanwhile are not waited for.
 The capacity model reads `t_bcast_s` (EWMA).
 
+A receiver that never reports v (a card that never lists it, a peer that stopped updating, a fake
+card) must not freeze the estimate: once v is REPORT_WAIT_S old and REPORT_WAIT_FACTOR times the
+slowest arrival reported for it, T_bcast(v) is measured over the receivers that did report, and
+the others are counted (`unreported`). One whose card says it is fetching v (or newer) is waited
+for up to REPORT_WAIT_MAX_S. A version about to leave the KEEP_PLANS window is settled the same way.
+
 Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_cards` cards, and a
 plan puts the followers seen doing work here (leases, submissions) first, in the order their
 upload caps give, and at most MAX_UNPROVEN others after them, at the tail of every chain, where
@@ -17,8 +23,10 @@ a card that leads nowhere (anyone can sign cards with fresh keys) holds up no pr
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
@@ -30,10 +38,14 @@ logger = get_logger(__name__)
 KEEP_PLANS = 16
 MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
 EWMA_ALPHA = 0.3
+REPORT_WAIT_S = 30.0  # a receiver silent about v this long after its publish...
+REPORT_WAIT_FACTOR = 3.0  # ...and this many times the slowest reported arrival of v is left out of T_bcast(v)
+REPORT_WAIT_MAX_S = 600.0  # one whose card says it is fetching v (or newer) is waited for this long at most
 
 
 class BroadcastTracker:
-    def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float):
+    def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float,
+                 clock: Callable[[], float] = time.monotonic):
         self.overlay = overlay
         self.key = key
         self.seeds = seeds
@@ -43,6 +55,11 @@ class BroadcastTracker:
         self._receivers: OrderedDict[int, set[str]] = OrderedDict()
         self.t_bcast: OrderedDict[int, float] = OrderedDict()  # version -> seconds, once complete
         self.t_bcast_s: float | None = None  # EWMA over completed versions
+        self.clock = clock
+        self._published: dict[int, float] = {}  # version -> clock() at plan(), while it is not settled
+        self.unreported: OrderedDict[int, int] = OrderedDict()  # version -> receivers left out of T_bcast(v)
+        self.unreported_total = 0  # receivers left out, over every settled version
+        self._silent_logged: list[str] = []
 
     def followers(self) -> list[PeerCard]:
         return [c for c in self.cards if c.role in ("rollout", "relay") and c.state != "stopping"]
@@ -56,8 +73,13 @@ class BroadcastTracker:
         self._receivers[version] = {peer for peer, _ in receivers}
         while len(self.plans) > KEEP_PLANS:
             self.plans.popitem(last=False)
+        self._published[version] = self.clock()
         while len(self._receivers) > KEEP_PLANS:
+            oldest, receivers = next(iter(self._receivers.items()))
+            if oldest not in self.t_bcast and oldest in self._published:
+                self._settle(oldest, receivers, self._live(), self.clock(), force=True)
             self._receivers.popitem(last=False)
+            self._published.pop(oldest, None)
         return data
 
     def receivers(self) -> list[tuple[str, int | None]]:
@@ -75,33 +97,70 @@ class BroadcastTracker:
     def get_plan(self, version: int) -> bytes | None:
         return self.plans.get(version)
 
-    def observe(self, cards: list[PeerCard]) -> None:
-        """Update T_bcast from fresh cards: v is complete once every live planned peer holds v or newer.
+    def _live(self) -> dict[str, PeerCard]:
+        return {c.peer_id: c for c in self.followers() if c.active is not False}
+
+    def observe(self, cards: list[PeerCard], now: float | None = None) -> None:
+        """Update T_bcast from fresh cards: v is complete once every live planned peer holds v or newer,
+        or, past the report bound, over the live planned peers that reported it.
 
         A peer that skipped v (it was busy fetching v-1 when v appeared) counts with the first
         newer version it installed: a version that nobody fetches is not a reason to never measure.
         Standby rollout peers are not waited for (T_bcast is about the active set).
         """
         self.cards = cards
-        live = {c.peer_id: c for c in self.followers() if c.active is not False}
+        now = self.clock() if now is None else now
+        live = self._live()
         for version, receivers in list(self._receivers.items()):
-            if version in self.t_bcast:
+            if version in self.t_bcast or version not in self._published:
                 continue
-            waiting = [live[p] for p in receivers if p in live]
-            worst: float | None = None
-            for card in waiting:
-                later = [a for a in card.arrivals if a.version >= version]
-                if not later:
-                    worst = None
-                    break
-                seconds = min(later, key=lambda a: a.version).seconds
-                worst = seconds if worst is None else max(worst, seconds)
-            if worst is not None:
-                self.t_bcast[version] = worst
-                self.t_bcast_s = worst if self.t_bcast_s is None else (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * worst
-                logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, worst, len(waiting))
+            self._settle(version, receivers, live, now, force=False)
         while len(self.t_bcast) > KEEP_PLANS:
             self.t_bcast.popitem(last=False)
+
+    def _settle(self, version: int, receivers: set[str], live: dict[str, PeerCard], now: float, force: bool) -> None:
+        """Measure T_bcast(version) if every live receiver reported it, or if the bound has passed
+        (or `force`) over those that did; the rest are counted as unreported."""
+        reported: list[float] = []
+        silent: list[PeerCard] = []
+        for peer in receivers:
+            card = live.get(peer)
+            if card is None:
+                continue  # left or on standby: not waited for
+            later = [a for a in card.arrivals if a.version >= version]
+            if later:
+                reported.append(min(later, key=lambda a: a.version).seconds)
+            else:
+                silent.append(card)
+        if silent and not force:
+            age = now - self._published[version]
+            if age <= max(REPORT_WAIT_S, REPORT_WAIT_FACTOR * max(reported, default=0.0)):
+                return
+            fetching = any(c.fetching is not None and c.fetching >= version for c in silent)
+            if (fetching or not reported) and age <= REPORT_WAIT_MAX_S:
+                return  # a receiver on its way, or nobody at all yet: wait longer
+        if not reported and not silent:
+            return  # no live receiver: never measured
+        if silent:
+            del self._published[version]  # settled: not looked at again
+            self.unreported[version] = len(silent)
+            self.unreported_total += len(silent)
+            while len(self.unreported) > KEEP_PLANS:
+                self.unreported.popitem(last=False)
+            names = sorted(c.peer_id[-8:] for c in silent)
+            # Logged when the silent peers change; the same ones version after version at debug level.
+            logger.log(logging.INFO if names != self._silent_logged else logging.DEBUG,
+                       "T_bcast(v%d): %d of %d planned peers never reported it (%s); %s", version, len(silent),
+                       len(silent) + len(reported), ", ".join(names[:8]),
+                       f"measured over the {len(reported)} that did" if reported else "not measured")
+            self._silent_logged = names
+        if not reported:
+            return
+        worst = max(reported)
+        self._published.pop(version, None)
+        self.t_bcast[version] = worst
+        self.t_bcast_s = worst if self.t_bcast_s is None else (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * worst
+        logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, worst, len(reported))
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,0 +1,115 @@
+"""T_bcast ignores planned receivers that never report: pure logic, a fake clock, no network."""
+
+from __future__ import annotations
+
+from echo2swarm.learner.broadcast_tracker import (
+    KEEP_PLANS,
+    REPORT_WAIT_FACTOR,
+    REPORT_WAIT_MAX_S,
+    REPORT_WAIT_S,
+    BroadcastTracker,
+)
+from echo2swarm.wire.records import PeerCard
+from echo2swarm.wire.signing import PolicyKey
+
+LEARNER = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+HONEST = "12D3KooWAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+SLOW = "12D3KooWBbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"
+SILENT = "12D3KooWCccccccccccccccccccccccccccccccccccccccccccc"
+
+
+class FakeOverlay:  # what plan() reads: the swarm name, our peer id, the peers seen working
+    class config:
+        swarm = "s"
+
+    peer_id = LEARNER
+
+    def worked(self) -> set[str]:
+        return {HONEST, SLOW}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 500.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def card(peer: str, arrivals: dict[int, float], fetching: int | None = None, role: str = "rollout") -> PeerCard:
+    return PeerCard(peer_id=peer, role=role, price=0.0, state="ready", software="0", updated_ms=1, fetching=fetching,
+                    arrivals=[{"version": v, "seconds": t} for v, t in arrivals.items()])
+
+
+def tracker() -> tuple[BroadcastTracker, Clock]:
+    clock = Clock()
+    t = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0, clock=clock)  # type: ignore[arg-type]
+    t.observe([card(HONEST, {}), card(SLOW, {}), card(SILENT, {}, role="relay")])
+    return t, clock
+
+
+def test_a_receiver_that_never_reports_is_left_out_once_the_bound_has_passed():
+    t, clock = tracker()
+    t.plan(5)
+    clock.now += 2.0
+    t.observe([card(HONEST, {5: 1.5}), card(SLOW, {}), card(SILENT, {}, role="relay")])
+    clock.now += 2.0
+    t.observe([card(HONEST, {5: 1.5}), card(SLOW, {5: 3.0}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast_s is None  # within the bound: still waiting for SILENT
+    clock.now = 500.0 + REPORT_WAIT_S - 1
+    t.observe([card(HONEST, {5: 1.5}), card(SLOW, {5: 3.0}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast_s is None
+    clock.now = 500.0 + REPORT_WAIT_S + 1
+    t.observe([card(HONEST, {5: 1.5}), card(SLOW, {5: 3.0}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast == {5: 3.0} and t.t_bcast_s == 3.0  # measured over those that reported
+    assert t.unreported == {5: 1} and t.unreported_total == 1
+    # Settled: a late report changes nothing, and nothing is counted twice.
+    t.observe([card(HONEST, {5: 1.5}), card(SLOW, {5: 3.0}), card(SILENT, {5: 99.0}, role="relay")])
+    assert t.t_bcast == {5: 3.0} and t.unreported_total == 1
+
+
+def test_the_bound_grows_with_the_slowest_report_so_slow_honest_peers_are_still_waited_for():
+    t, clock = tracker()
+    t.plan(7)
+    clock.now += 100.0
+    t.observe([card(HONEST, {7: 40.0}), card(SLOW, {}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast_s is None  # 100 s < 3 x 40 s
+    clock.now = 500.0 + REPORT_WAIT_FACTOR * 40.0 + 1
+    t.observe([card(HONEST, {7: 40.0}), card(SLOW, {}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast == {7: 40.0} and t.unreported == {7: 2}
+
+
+def test_a_receiver_still_fetching_is_waited_for_up_to_the_longest_bound():
+    t, clock = tracker()
+    t.plan(3)
+    clock.now += REPORT_WAIT_S + 5
+    t.observe([card(HONEST, {3: 1.0}), card(SLOW, {}, fetching=3), card(SILENT, {}, role="relay")])
+    assert t.t_bcast_s is None  # SLOW says it is on its way
+    clock.now += 10
+    t.observe([card(HONEST, {3: 1.0}), card(SLOW, {4: 12.0}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast == {3: 12.0} and t.unreported == {3: 1}  # SLOW skipped to v4: counted with it
+
+    t.plan(9)
+    clock.now += REPORT_WAIT_MAX_S + 1  # a card that claims a fetch forever is not waited for forever
+    t.observe([card(HONEST, {9: 1.0}), card(SLOW, {}, fetching=9), card(SILENT, {}, role="relay")])
+    assert t.t_bcast[9] == 1.0 and t.unreported[9] == 2
+
+
+def test_nobody_reporting_is_no_measurement_and_a_version_leaving_the_window_is_settled():
+    t, clock = tracker()
+    t.plan(1)
+    clock.now += REPORT_WAIT_S + 1
+    t.observe([card(HONEST, {}), card(SLOW, {}), card(SILENT, {}, role="relay")])
+    assert t.t_bcast_s is None and not t.unreported  # no report at all yet: keep waiting
+    t.observe([card(HONEST, {1: 2.0}), card(SLOW, {}, fetching=1), card(SILENT, {}, role="relay")])
+    for v in range(2, 2 + KEEP_PLANS):  # v1 leaves the window of kept plans: settled with what it has
+        t.plan(v)
+    assert t.t_bcast[1] == 2.0 and t.unreported[1] == 2 and t.t_bcast_s == 2.0
+
+
+def test_every_receiver_reporting_completes_at_once_as_before():
+    t, clock = tracker()
+    t.plan(2)
+    clock.now += 1
+    t.observe([card(HONEST, {2: 1.0}), card(SLOW, {2: 2.5}), card(SILENT, {3: 0.5}, role="relay")])
+    assert t.t_bcast == {2: 2.5} and not t.unreported and t.unreported_total == 0
