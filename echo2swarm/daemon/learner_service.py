@@ -30,6 +30,7 @@ from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
 from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
+from echo2swarm.learner.verify import NonFiniteWeightsError
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
 from echo2swarm.policy.store import collect_garbage
 from echo2swarm.runtime.aio import wait_any
@@ -63,6 +64,7 @@ class LearnerService:
         self.recent_rewards: deque[float] = deque(maxlen=10)
         self.extra_files: dict[str, Path | bytes] = {}  # config and tokenizer files published with each version
         self.wait_s = self.busy_s = 0.0
+        self.rollbacks = 0  # times the policy went non-finite and was reset to the last published version
         # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
         self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
 
@@ -114,7 +116,11 @@ class LearnerService:
 
     async def _publish(self) -> float:
         started = time.perf_counter()
-        weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        try:
+            weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        except NonFiniteWeightsError as e:  # never signed; training goes on from the last good version
+            await self._roll_back(str(e))
+            return time.perf_counter() - started
         files: dict[str, Path | bytes] = {**self.extra_files, "model.safetensors": weights}
         self.published = await asyncio.to_thread(self.publisher.publish_files, files, self.version)
         self.broadcast.plan(self.version)
@@ -125,6 +131,21 @@ class LearnerService:
             self.intake.published(self.version, self._head_json())
         self.ctx.announcer.trigger()
         return time.perf_counter() - started
+
+    async def _roll_back(self, why: str) -> None:
+        """The policy went non-finite: reload the last version published (finite: it was checked when
+        signed) and forget the optimizer's moments, which went the same way."""
+        if self.published is None:
+            raise RuntimeError(f"the initial policy is not finite: {why}")
+        logger.error("NOT publishing v%d: %s; rolling back to v%d's weights and resetting the optimizer state",
+                     self.version, why, self.published.version)
+        from safetensors.torch import load_file
+
+        path = self.ctx.versions.dir(self.published.version) / "model.safetensors"
+        tensors = await asyncio.to_thread(load_file, str(path))
+        self.trainer.load_weights(tensors)
+        self.trainer.optimizer.state.clear()
+        self.rollbacks += 1
 
     def head(self) -> HeadRecord | None:
         if self.published is None:
@@ -232,7 +253,11 @@ class LearnerService:
 
     async def _checkpoint(self) -> None:
         assert self.intake is not None
-        weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        try:
+            weights = await asyncio.to_thread(self.trainer.weights_bytes)
+        except NonFiniteWeightsError as e:  # a checkpoint of a non-finite policy would be resumed from
+            await self._roll_back(str(e))
+            return
         path = await asyncio.to_thread(
             save_checkpoint, self.run_dir, step=self.steps_done, version=self.version, weights=weights,
             optimizer=self.trainer.optimizer, extra=self.intake.leases.snapshot(), keep=self.train.keep_checkpoints,
@@ -269,6 +294,7 @@ class LearnerService:
                        dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats),
                        peers=self.intake.ledger.snapshot())
         out["capacity"] = self.activation.snapshot()
+        out["rollbacks"] = self.rollbacks
         return out
 
 

@@ -70,8 +70,10 @@ class LearnerActivation:
         self.l_gen.add(seconds if latency is None else latency)
 
     def on_lapse(self, peer: str) -> None:
-        """A lease of `peer` lapsed undelivered: its delivered rate takes a zero sample."""
-        self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(0.0)
+        """A lease of `peer` lapsed undelivered: its delivered rate takes a zero sample. A peer that
+        never delivered has no rate to lower (and gets no entry: fresh ids must not grow this)."""
+        if peer in self.delivered:
+            self.delivered[peer].add(0.0)
 
     def inputs(self) -> CapacityInputs | None:
         if self.t_train.value is None or self.t_train.samples < self.config.min_steps:

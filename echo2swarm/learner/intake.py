@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -103,7 +103,8 @@ class Intake:
         self.ledger = PeerLedger(peers or PeersConfig())
         self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
         self._carried: dict[str, int] = {}  # peer -> rollouts waiting to be reported with the next delivery
-        self.seen: dict[str, float] = {}  # peer -> last lease request (clock)
+        self.seen: OrderedDict[str, float] = OrderedDict()  # peer -> last lease request (clock), newest last
+        self._held: Counter[str] = Counter()  # peer -> lease requests held now
 
     # -- what the learner tells it -------------------------------------------------------------
     def published(self, version: int, head_json: str | None) -> None:
@@ -176,6 +177,10 @@ class Intake:
         loop = asyncio.get_running_loop()
         since = loop.time()
         until = since + min(request.wait_s, self.leases_config.max_hold_s)
+        # A peer has no use for more held requests than leases it may hold: the rest are answered at once.
+        if self._held[peer] >= self.ledger.config.max_open_leases:
+            until = since
+            self.ledger.stats["held_requests_refused"] += 1
         while True:
             freed = self._freed
             reply = self._answer(request, peer)
@@ -184,7 +189,13 @@ class Intake:
             # first is answered at once (its next request will carry the version it then holds).
             if isinstance(reply, Lease) or reply.standby or reply.done or reply.fetch_first or reply.capped or left <= 0:
                 return reply.model_copy(update={"held_s": min(60.0, loop.time() - since)})
-            await wait_any(freed, timeout=left)
+            self._held[peer] += 1
+            try:
+                await wait_any(freed, timeout=left)
+            finally:
+                self._held[peer] -= 1
+                if not self._held[peer]:
+                    del self._held[peer]
 
     def _answer(self, request: LeaseRequest, peer: str) -> Lease | LeaseWait:
         if self.done:
@@ -194,6 +205,9 @@ class Intake:
         if ban is not None:
             return LeaseWait(retry_s=60.0, reason=f"banned for this run: {ban.reason}"[:200], done=True)
         self.seen[peer] = self.clock()
+        self.seen.move_to_end(peer)
+        while len(self.seen) > self.ledger.config.max_tracked_peers:  # a flood of fresh peer ids
+            self.seen.popitem(last=False)
         standby = self.gate.gate(peer) if self.gate is not None else None
         if standby is not None:
             return LeaseWait(retry_s=self.gate.standby_retry_s, reason=f"standby: {standby}"[:200], standby=True,

@@ -109,8 +109,11 @@ async def open_frames(
     try:
         try:
             if maddrs:
+                # p2pd's connect takes transport addresses: a card's "/ip4/…/tcp/N/p2p/<id>" makes it fail
+                # outright, so the peer id suffix is cut off first.
+                transport = [Multiaddr(m.split("/p2p/", 1)[0]) for m in maddrs if m.split("/p2p/", 1)[0]]
                 with contextlib.suppress(Exception):  # already connected, or reachable through the DHT
-                    await asyncio.wait_for(p2p._client.connect(peer, [Multiaddr(m) for m in maddrs]), timeout)
+                    await asyncio.wait_for(p2p._client.connect(peer, transport), timeout)
             _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, name), timeout)
             writer.write(_frame(request))
             await writer.drain()

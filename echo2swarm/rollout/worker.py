@@ -189,6 +189,11 @@ class RolloutWorker:
             if isinstance(reply, LeaseWait):
                 slots.release()
                 self.stats["waits"] += 1
+                if reply.done and reply.reason != self._last_error:
+                    # Training finished, or this learner banned us for the run: nothing to do but say so.
+                    level = logger.error if reply.reason.startswith("banned") else logger.info
+                    level("the learner gives no more work: %s", reply.reason)
+                    self._last_error = reply.reason
                 if reply.standby or self.active is not None:
                     self._set_active(not reply.standby)
                 self._waiting_since = time.perf_counter()

@@ -102,3 +102,25 @@ def test_a_client_that_takes_leases_and_never_submits_holds_a_bounded_share() ->
         intake.expire_leases()
         _lease(intake, B, n=8)
     assert intake.ledger.banned(B) is not None and "lapsed" in intake.ledger.banned(B).reason
+
+
+def test_a_peer_gets_no_more_held_lease_requests_than_leases_it_may_hold() -> None:
+    async def scenario() -> None:
+        intake = make_intake(staleness=1, prompts_per_step=2, peers=PeersConfig(max_open_leases=2, probation_prompts=2))
+        for _ in range(2):  # the learner's budget (4 prompts) is spent on A
+            intake.ledger.delivered(A, 1, now=0.0)
+            assert isinstance(await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A), Lease)
+        held = [asyncio.create_task(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5, wait_s=30), B))
+                for _ in range(2)]
+        for _ in range(10):
+            await asyncio.sleep(0)  # let both handlers park on the learner's wait
+        assert not any(t.done() for t in held)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        extra = await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5, wait_s=30), B)
+        assert isinstance(extra, LeaseWait) and loop.time() - started < 1.0  # answered at once, not held
+        assert intake.ledger.stats["held_requests_refused"] == 1
+        intake.finish()
+        await asyncio.wait_for(asyncio.gather(*held), 5)
+
+    asyncio.run(scenario())
