@@ -126,6 +126,9 @@ def _identity(config: OverlayConfig, key_dir: Path | None) -> tuple[PeerKey, Pat
     key = PeerKey.generate()
     directory = key_dir if key_dir is not None else Path(tempfile.gettempdir())
     directory.mkdir(parents=True, exist_ok=True)
+    if key_dir is not None:  # left by a start that was killed while p2pd read it: our state dir, our files
+        for stale in key_dir.glob(".identity-*.key"):
+            stale.unlink(missing_ok=True)
     fd, name = tempfile.mkstemp(prefix=".identity-", suffix=".key", dir=directory)
     os.close(fd)
     os.unlink(name)  # PeerKey.save creates it exclusively, mode 0600
@@ -155,6 +158,7 @@ class Overlay:
         self._worked: OrderedDict[str, float] = OrderedDict()
         self._recent: OrderedDict[str, float] = OrderedDict()
         self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
+        self._flood_logged = float("-inf")
         rpc.observe_callers(p2p, self.saw_work)
         _ADVERTISED[self.peer_id] = self
 
@@ -323,7 +327,10 @@ class Overlay:
         if len(entries) > limit:
             dropped = len(entries) - bad - len(cards)
             self.cards_dropped += dropped
-            logger.info("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d", len(entries), len(cards), dropped)
+            if time.monotonic() - self._flood_logged >= 60.0:  # once a minute: a flood must not flood the log
+                self._flood_logged = time.monotonic()
+                logger.warning("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d",
+                               len(entries), len(cards), dropped)
         for card in cards:
             self._touch(self._recent, card.peer_id)
         return cards, bad
