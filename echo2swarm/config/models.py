@@ -408,6 +408,7 @@ class LearnerConfig(_DaemonBase):
     train: TrainConfig = Field(default_factory=TrainConfig)
     leases: LeaseConfig = Field(default_factory=LeaseConfig)
     activation: ActivationConfig = Field(default_factory=ActivationConfig)
+    peers: PeersConfig = Field(default_factory=PeersConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
 
     @model_validator(mode="after")
@@ -441,4 +442,3 @@ DaemonConfig = Annotated[
     Union[LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig], Field(discriminator="role")
 ]
 FollowerConfig = Union[RolloutConfig, RelayConfig]
-    peers: PeersConfig = Field(default_factory=PeersConfig)
