@@ -37,6 +37,8 @@ def peers_table(view: dict[str, Any]) -> Any:
 
 
 def _state(peer: dict[str, Any]) -> str:
+    if peer.get("banned"):
+        return f"BANNED: {peer['banned']}"
     fetching = peer.get("fetching")
     return f"{peer['state']} (fetching v{fetching})" if fetching is not None else peer["state"]
 

@@ -50,6 +50,7 @@ class CardFields:
     t_bcast_s: float | None = None   # learner: time until the planned peers held a version
     rollouts_per_s: float | None = None  # rollout: measured µ
     active: bool | None = None       # rollout: False while the learner keeps it on standby
+    bans: Mapping[str, str] = field(default_factory=dict)  # learner: peer id -> why it was banned (newest last)
 
     def as_json(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k != "arrival_s"}

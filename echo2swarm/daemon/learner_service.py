@@ -23,6 +23,7 @@ from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
 from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
+from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
 from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
@@ -52,7 +53,9 @@ class LearnerService:
             self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id
         )
         refresh_s = config.publish.cards_refresh_s or min(2.0, config.overlay.announce_period_s / 2)
-        self.broadcast = BroadcastTracker(ctx.overlay, self.key, config.publish.seeds, refresh_s=refresh_s)
+        self.ledger = PeerLedger(config.peers)  # who is on probation, capped or banned (intake, trainer, broadcast)
+        self.broadcast = BroadcastTracker(ctx.overlay, self.key, config.publish.seeds, refresh_s=refresh_s,
+                                          excluded=lambda: self.ledger.bans.keys())
         self.run_dir = Path(self.train.run_dir or Path(self.config.state_dir) / "run")
         self.published: PublishedVersion | None = None
         self.state = "starting"
@@ -106,7 +109,7 @@ class LearnerService:
             limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, self.trainer.vocab_size,
                                self.trainer.eos_token_ids),
             version=self.version, cursor=cursor, requeue=requeue, gate=self.activation, head_json=self._head_json(),
-            peers=self.config.peers,
+            ledger=self.ledger,
         )
         p2p, swarm = self.ctx.overlay.p2p, self.config.overlay.swarm
         await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
@@ -150,7 +153,8 @@ class LearnerService:
     def head(self) -> HeadRecord | None:
         if self.published is None:
             return None
-        return self.publisher.sign_head(self.published, self.config.overlay.record_ttl_s)
+        overlay = self.ctx.overlay  # where followers reach us, as the supervisor advertised it
+        return self.publisher.sign_head(self.published, self.config.overlay.record_ttl_s, overlay.chunk_url, overlay.maddrs)
 
     def _head_json(self) -> str | None:
         head = self.head()
@@ -282,13 +286,16 @@ class LearnerService:
 
     def card_fields(self) -> CardFields:
         t_bcast = self.broadcast.t_bcast_s
+        bans = {peer: ban.reason for peer, ban in self.intake.ledger.bans.items()} if self.intake else {}
         return CardFields(version=self.published.version if self.published else None, state=self.state,
-                          t_bcast_s=None if t_bcast is None else round(t_bcast, 3))
+                          t_bcast_s=None if t_bcast is None else round(t_bcast, 3), bans=bans)
 
     def stats(self) -> Stats:
         out: dict[str, Any] = {"published_version": self.published.version if self.published else None,
                                "steps_done": self.steps_done, "t_bcast_s": _round(self.broadcast.t_bcast_s),
-                               "t_bcast": {str(v): round(t, 3) for v, t in self.broadcast.t_bcast.items()}}
+                               "t_bcast": {str(v): round(t, 3) for v, t in self.broadcast.t_bcast.items()},
+                               # planned receivers left out of T_bcast(v) for never reporting v
+                               "t_bcast_unreported": {str(v): n for v, n in self.broadcast.unreported.items()}}
         if self.intake is not None:
             out.update(accepted=self.intake.accepted, refused=dict(self.intake.refused),
                        dropped=dict(self.intake.buffer.dropped), leases=dict(self.intake.leases.stats),

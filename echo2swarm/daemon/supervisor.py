@@ -35,7 +35,7 @@ from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.aio import backoff_s
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.wire.records import Arrival, PeerCard
+from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard
 
 logger = get_logger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
@@ -103,6 +103,7 @@ class Daemon:
             t_bcast_s=fields.t_bcast_s,
             rollouts_per_s=fields.rollouts_per_s,
             active=fields.active,
+            bans=[BanNote(peer_id=p, reason=r[:120]) for p, r in list(fields.bans.items())[-MAX_BANS_ON_CARD:]],
             updated_ms=int(time.time() * 1000),
         )
 

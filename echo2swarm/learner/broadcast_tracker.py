@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
@@ -45,8 +45,9 @@ REPORT_WAIT_MAX_S = 600.0  # one whose card says it is fetching v (or newer) is 
 
 class BroadcastTracker:
     def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: ()):
         self.overlay = overlay
+        self.excluded = excluded  # peers never planned as receivers or parents (the learner banned them)
         self.key = key
         self.seeds = seeds
         self.refresh_s = refresh_s
@@ -62,7 +63,9 @@ class BroadcastTracker:
         self._silent_logged: list[str] = []
 
     def followers(self) -> list[PeerCard]:
-        return [c for c in self.cards if c.role in ("rollout", "relay") and c.state != "stopping"]
+        excluded = self.excluded()
+        return [c for c in self.cards
+                if c.role in ("rollout", "relay") and c.state != "stopping" and c.peer_id not in excluded]
 
     def plan(self, version: int) -> bytes:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""

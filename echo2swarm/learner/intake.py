@@ -77,7 +77,7 @@ class Intake:
         requeue: list[int] | None = None,
         gate: WorkGate | None = None,
         head_json: str | None = None,
-        peers: PeersConfig | None = None,
+        ledger: PeerLedger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.task = task
@@ -100,7 +100,7 @@ class Intake:
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
         self._seeds = random.Random(train.seed)
         self.gate = gate
-        self.ledger = PeerLedger(peers or PeersConfig())
+        self.ledger = ledger if ledger is not None else PeerLedger(PeersConfig())
         self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
         self._carried: dict[str, int] = {}  # peer -> rollouts waiting to be reported with the next delivery
         self.seen: OrderedDict[str, float] = OrderedDict()  # peer -> last lease request (clock), newest last

@@ -127,13 +127,9 @@ class Publisher:
     ) -> HeadRecord:
         """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it).
 
-        It carries where followers reach us (chunk URL, multiaddrs): given, or what this process's
-        overlay advertises for our peer id; so no forged card can send followers elsewhere.
+        It carries where followers reach us (chunk URL, multiaddrs), so no forged card can send
+        followers elsewhere.
         """
-        from echo2swarm.overlay.node import advertised
-
-        if chunk_url is None and maddrs is None:
-            chunk_url, maddrs = advertised(self.peer_id)
         now_ms = int(time.time() * 1000)
         return HeadRecord(
             swarm=self.swarm,

@@ -16,6 +16,10 @@ async def census(overlay: Overlay) -> dict[str, Any]:
     dropped_before = overlay.cards_dropped
     cards, bad_cards = await overlay.get_cards(prefer=[h.publisher for h in heads if h.signature_ok()])
     now_ms = time.time() * 1000
+    # Bans are the learner's word: only cards of a peer publishing a correctly signed head count (its
+    # card is signed by its own key, so nobody else can put bans on it).
+    publishers = {h.publisher for h in heads if h.signature_ok()}
+    banned = {b.peer_id: b.reason for c in cards if c.peer_id in publishers for b in c.bans}
     peers = [
         {
             "peer_id": c.peer_id,
@@ -35,6 +39,7 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "software": c.software,
             "chunk_url": c.chunk_url,
             "maddrs": c.maddrs,
+            "banned": banned.get(c.peer_id),  # why the learner banned this peer for the run, else None
         }
         for c in cards
     ]
@@ -48,4 +53,5 @@ async def census(overlay: Overlay) -> dict[str, Any]:
         ],
         "malformed_records": bad_cards + bad_heads,
         "cards_left_out": overlay.cards_dropped - dropped_before,  # valid cards past overlay.max_cards
+        "banned": banned,
     }

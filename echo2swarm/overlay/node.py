@@ -30,7 +30,6 @@ import signal
 import sys
 import tempfile
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from pathlib import Path
@@ -96,19 +95,6 @@ def dht_time() -> float:
     return time.time()
 
 
-# The address each overlay of this process advertises (chunk URL, multiaddrs), by peer id: what
-# the learner's publisher puts into the heads it signs (see `advertised`).
-_ADVERTISED: "weakref.WeakValueDictionary[str, Overlay]" = weakref.WeakValueDictionary()
-
-
-def advertised(peer_id: str) -> tuple[str | None, list[str]]:
-    """The chunk URL and multiaddrs that this process's overlay with `peer_id` advertises; (None, []) if none."""
-    overlay = _ADVERTISED.get(peer_id)
-    if overlay is None:
-        return None, []
-    return overlay.chunk_url, list(overlay.maddrs)
-
-
 def _identity(config: OverlayConfig, key_dir: Path | None) -> tuple[PeerKey, Path, bool]:
     """Our libp2p key, the file p2pd reads it from, and whether that file is a temporary to delete."""
     if config.identity is not None:
@@ -160,7 +146,6 @@ class Overlay:
         self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
         self._flood_logged = float("-inf")
         rpc.observe_callers(p2p, self.saw_work)
-        _ADVERTISED[self.peer_id] = self
 
     @classmethod
     async def start(
@@ -235,7 +220,7 @@ class Overlay:
         return cls(config, p2p, node, validator, key)
 
     def advertise(self, chunk_url: str | None, maddrs: list[str]) -> None:
-        """Where others reach us; the learner's heads carry it (see `advertised`)."""
+        """Where others reach us (chunk URL, multiaddrs); the learner's signed heads carry it."""
         self.chunk_url, self.maddrs = chunk_url, list(maddrs)[:8]
 
     def saw_work(self, peer_id: str) -> None:
@@ -349,8 +334,6 @@ class Overlay:
         return heads, bad
 
     async def stop(self, timeout: float = 3.0) -> None:
-        if _ADVERTISED.get(self.peer_id) is self:
-            del _ADVERTISED[self.peer_id]
         try:
             await asyncio.wait_for(self.node.shutdown(), timeout)
         except (asyncio.TimeoutError, Exception) as e:

@@ -25,7 +25,7 @@ from echo2swarm.wire.signing import DOMAIN_CARD, DOMAIN_HEAD, PolicyKey, PublicK
 MAX_RECORD_BYTES = 16 * 1024
 # A card is much smaller than any record may be (~1 KiB with a few addresses; under 6 KiB at every
 # field's maximum with an RSA-4096 key): the cap keeps a dictionary of cards, which one DHT reply carries whole, small.
-MAX_CARD_BYTES = 6 * 1024
+MAX_CARD_BYTES = 10 * 1024  # the largest legal card (RSA key, 8 maddrs, 32 held, 16 bans) fits
 # How far a card's `updated_ms` may be ahead of a node's clock before the node refuses it.
 CARD_CLOCK_SKEW_S = 30.0
 MAX_SUBKEY_BYTES = 256
@@ -63,6 +63,16 @@ class Arrival(BaseModel):
     seconds: float = Field(ge=0, le=1e6, allow_inf_nan=False)
 
 
+class BanNote(_Strict):
+    """A peer the learner banned for the run, and why (shown by `echo2swarm peers`)."""
+
+    peer_id: str = Field(pattern=_PEER_ID.pattern)
+    reason: str = Field(max_length=120)
+
+
+MAX_BANS_ON_CARD = 16
+
+
 class PeerCard(BaseModel):
     """What a daemon tells the swarm about itself; re-announced every announce period."""
 
@@ -89,6 +99,9 @@ class PeerCard(BaseModel):
         None, ge=0, le=1e7, allow_inf_nan=False, description="rollout: measured rollouts/s; None: not measured yet"
     )
     active: bool | None = Field(None, description="rollout: False while the learner keeps it on standby; None: not told")
+    bans: list[BanNote] = Field(
+        default_factory=list, max_length=MAX_BANS_ON_CARD, description="learner: the peers it banned most recently"
+    )
     updated_ms: int = Field(ge=0)
     expires_ms: int = Field(0, ge=0, description="signed end of life: no node keeps the card longer (set when signed)")
     public_key: str | None = Field(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from echo2swarm.config.rl import LeaseConfig, PeersConfig, TrainConfig
+from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.intake import Intake, WorkGate
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.models.tiny import build_char_tokenizer
@@ -27,7 +28,7 @@ def make_intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float
     return Intake(
         get_task("arith", seed=0), train, LeaseConfig(max_prompts=2, max_hold_s=max_hold_s),
         encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        limits=LIMITS, version=5, gate=gate, peers=peers,
+        limits=LIMITS, version=5, gate=gate, ledger=PeerLedger(peers),
     )
 
 

@@ -1,7 +1,7 @@
-"""A rogue rollout worker: joins the swarm as a plain libp2p peer and speaks the lease/submit RPCs.
+"""A rogue rollout worker: joins the swarm's DHT, announces a card and speaks the lease/submit RPCs.
 
-It uses the same wire messages and RPC framing as an honest worker (anyone can, from protocol.md),
-but runs no model: what it submits is whatever a test tells it to craft.
+It uses the same records, wire messages and RPC framing as an honest worker (anyone can, from
+protocol.md), but runs no model: what it submits is whatever a test tells it to craft.
 """
 
 from __future__ import annotations
@@ -27,18 +27,32 @@ Craft = Callable[[LeasePrompt, int], list[CompletionMsg]]  # (prompt, group size
 class RogueWorker:
     def __init__(self, bootstrap: str, swarm: str, learner: str):
         self.bootstrap, self.swarm, self.learner = bootstrap, swarm, learner
+        self.overlay: Any = None
         self.p2p: Any = None
         self.peer_id = ""
 
     async def __aenter__(self) -> "RogueWorker":
-        from hivemind.p2p import P2P
+        from echo2swarm.config.models import OverlayConfig
+        from echo2swarm.overlay.node import Overlay
 
-        self.p2p = await P2P.create(initial_peers=[self.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        self.peer_id = self.p2p.peer_id.to_base58()
+        config = OverlayConfig(swarm=self.swarm, initial_peers=[self.bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        self.overlay = await Overlay.start(config)
+        self.p2p = self.overlay.p2p
+        self.peer_id = self.overlay.peer_id
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.p2p.shutdown()
+        await self.overlay.stop()
+
+    async def announce(self, price: float = 0.0, rollouts_per_s: float = 1e6) -> bool:
+        """A card as any rollout peer's, claiming whatever the test says (signed: it is our own)."""
+        import time
+
+        from echo2swarm.wire.records import PeerCard
+
+        card = PeerCard(peer_id=self.peer_id, role="rollout", price=price, state="ready", software="0.1.0",
+                        rollouts_per_s=rollouts_per_s, updated_ms=int(time.time() * 1000))
+        return bool(await self.overlay.store_card(card))
 
     async def lease(self, max_prompts: int = 8, held_version: int | None = None) -> Lease | LeaseWait:
         request = LeaseRequest(max_prompts=max_prompts, held_version=held_version)

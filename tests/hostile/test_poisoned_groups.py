@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.rogue import RogueWorker, right_answer_ids
-from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+from helpers.swarm import LocalSwarm, http_json, learner_toml, peers_json, read_metrics, wait_until
 
 from safetensors.numpy import load_file
 
@@ -67,6 +67,7 @@ def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
         out = []
         for craft in (absurd, fabricated):
             async with RogueWorker(local_swarm.bootstrap_addr, local_swarm.swarm, learner.info["peer_id"]) as rogue:
+                assert await rogue.announce()  # a free card claiming a huge rate, to be seen banned in `peers`
                 _, accepted = await _attack(rogue, craft)
                 out.append((rogue.peer_id, accepted))
                 # Verification runs when the groups train: wait for the ban while the rogue stays connected.
@@ -74,6 +75,16 @@ def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
                                         what=f"the {craft.__name__} rogue to be banned")
                 reply = await rogue.lease()
                 assert not isinstance(reply, Lease) and reply.done and "banned" in reply.reason
+                # `peers` shows it banned, and why, from the learner's signed card.
+                assert await rogue.announce()
+
+                def shown_banned() -> str | None:
+                    rows = {p["peer_id"]: p for p in peers_json(local_swarm.bootstrap_addr, local_swarm.swarm)}
+                    return (rows.get(rogue.peer_id) or {}).get("banned")
+
+                shown = await asyncio.to_thread(wait_until, shown_banned, 60, interval=1.0,
+                                                what="`peers` to show the rogue banned")
+                assert "verify" in shown
         return out
 
     rogues = asyncio.run(attacks())

@@ -113,3 +113,15 @@ def test_every_receiver_reporting_completes_at_once_as_before():
     clock.now += 1
     t.observe([card(HONEST, {2: 1.0}), card(SLOW, {2: 2.5}), card(SILENT, {3: 0.5}, role="relay")])
     assert t.t_bcast == {2: 2.5} and not t.unreported and t.unreported_total == 0
+
+
+def test_a_banned_peer_is_never_planned_as_a_receiver_or_a_parent() -> None:
+    banned: set[str] = set()
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, clock=Clock(),
+                               excluded=lambda: banned)
+    tracker.observe([card(HONEST, {}), card(SLOW, {})])
+    assert {peer for peer, _ in tracker.receivers()} == {HONEST, SLOW}
+    banned.add(SLOW)
+    assert {peer for peer, _ in tracker.receivers()} == {HONEST}
+    tracker.plan(7)
+    assert tracker._receivers[7] == {HONEST}

@@ -21,9 +21,11 @@ from echo2swarm.wire.peer_keys import (
     encode_key_proto,
 )
 from echo2swarm.wire.records import (
+    MAX_BANS_ON_CARD,
     MAX_CARD_BYTES,
     MAX_RECORD_BYTES,
     Arrival,
+    BanNote,
     HeadRecord,
     PeerCard,
     RecordError,
@@ -175,6 +177,7 @@ def test_largest_card_fits_the_card_limit(rsa_key: PeerKey) -> None:
         rsa_key, software="s" * 32, maddrs=["/ip4/" + "1" * 251] * 8, chunk_url="http://" + "h" * 249,
         held=list(range(10**12 - 32, 10**12)), fetching=10**12, version=10**12, upload_bps=10**12,
         arrivals=[Arrival(version=10**12, seconds=123456.789)] * 8, t_bcast_s=1.5, active=True,
+        bans=[BanNote(peer_id="Qm" + "z" * 126, reason="r" * 120)] * MAX_BANS_ON_CARD,
     ).signed(rsa_key, SWARM, 3600)
     size = len(MSGPackSerializer.dumps(card.model_dump(mode="json")))
     assert size <= MAX_CARD_BYTES < MAX_RECORD_BYTES, size
