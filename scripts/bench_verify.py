@@ -46,7 +46,8 @@ import torch  # noqa: E402
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
 from echo2swarm.learner.buffer import Group  # noqa: E402
 from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
-from echo2swarm.learner.verify import VARIANCE_FLOOR, Verifier, score_tokens  # noqa: E402
+from echo2swarm.learner.scoring import VARIANCE_FLOOR, score_tokens  # noqa: E402
+from echo2swarm.learner.verify import Verifier  # noqa: E402
 from echo2swarm.models.tiny import CHARSET  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402

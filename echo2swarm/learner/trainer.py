@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
 from echo2swarm.learner.grpo import completion_logits, group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.scoring import score_logits
 from echo2swarm.learner.verify import (
     NonFiniteWeightsError,
     Verifier,
@@ -38,7 +39,6 @@ from echo2swarm.learner.verify import (
     WeightsOf,
     check_finite,
     load_policy_weights,
-    score_logits,
 )
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger

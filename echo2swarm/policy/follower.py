@@ -34,7 +34,8 @@ from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
 from echo2swarm.policy.broadcast_plan import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
-from echo2swarm.policy.fetcher import ChunkSource, FetchError, HttpSource, PeerSource, PolicyFetcher, SourceError
+from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
+from echo2swarm.policy.sources import ChunkSource, HttpSource, PeerSource, SourceError
 from echo2swarm.policy.manifest import ChunkRef, ManifestError, verify_head
 from echo2swarm.wire.records import HeadRecord, parse_head
 from echo2swarm.policy.p2p import P2PSource

@@ -15,9 +15,10 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import MAX_VERSION
 from echo2swarm.overlay.streams import FrameWriter, Handler, StreamError, open_frames, serve_frames, stream_name
-from echo2swarm.policy.fetcher import SourceBusy, SourceError, SourceMissing, SourceUnreachable
+from echo2swarm.policy.sources import SourceBusy, SourceError, SourceMissing, SourceUnreachable
 from echo2swarm.policy.manifest import ChunkRef
-from echo2swarm.policy.server import ChunkService, Refused
+from echo2swarm.policy.budgets import Refused
+from echo2swarm.policy.server import ChunkService
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -183,13 +183,22 @@ class PeerCard(BaseModel):
             raise RecordError(f"card of {self.peer_id[-8:]} stored past its signed expiry (a replay?)", "replay")
 
 
-def parse_card(value: object) -> PeerCard:
+R = TypeVar("R", bound=BaseModel)
+
+
+def _parse(model: type[R], value: object, what: str) -> R:
+    """A record from a DHT value, or RecordError naming what is wrong with it (attacker-controlled input)."""
     if not isinstance(value, dict):
-        raise RecordError(f"peer card is {type(value).__name__}, not a mapping")
+        raise RecordError(f"{what} is {type(value).__name__}, not a mapping")
     try:
-        return PeerCard.model_validate(value)
+        return model.model_validate(value)
     except ValidationError as e:
-        raise RecordError(f"peer card does not match the schema: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+        first = e.errors()[0]
+        raise RecordError(f"{what} does not match the schema: {first['loc']}: {first['msg']}") from None
+
+
+def parse_card(value: object) -> PeerCard:
+    return _parse(PeerCard, value, "peer card")
 
 
 class HeadRecord(_Strict):
@@ -234,9 +243,4 @@ class HeadRecord(_Strict):
 
 
 def parse_head(value: object) -> HeadRecord:
-    if not isinstance(value, dict):
-        raise RecordError(f"head record is {type(value).__name__}, not a mapping")
-    try:
-        return HeadRecord.model_validate(value)
-    except ValidationError as e:
-        raise RecordError(f"head record does not match the schema: {e.errors()[0]['msg']}") from None
+    return _parse(HeadRecord, value, "head record")

@@ -88,3 +88,25 @@ def right_answer_ids(model_dir: Any) -> Callable[[LeasePrompt], list[int]]:
         return tokenizer(str(int(a) + int(b)), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
     return ids
+
+
+PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
+
+
+def training_swarm(swarm: Any, model: Any, key: Any, tmp_path: Any, steps_first: int = 3,
+                   env: dict[str, str] | None = None) -> tuple[Any, Any, str, Any]:
+    """A bootstrap, a learner (400 steps, `env` for its settings) and one paced honest rollout peer,
+    trained for `steps_first` steps. Returns (learner, honest peer, learner /v1/info URL, metrics path)."""
+    from pathlib import Path
+
+    from helpers.swarm import learner_toml, read_metrics, wait_until
+
+    config = learner_toml(tmp_path / "learner.toml", model, key, steps=400)
+    swarm.bootstrap()
+    learner = swarm.start("learner", "--config", str(config), env=env)
+    honest = swarm.rollout("rollout-1", trust=Path(f"{key}.pub"), env=PACED)
+    swarm.ready(learner)
+    swarm.ready(honest)
+    metrics = learner.state_dir / "run" / "metrics.jsonl"
+    wait_until(lambda: len(read_metrics(metrics)) >= steps_first, 120, what="the learner training on the honest peer")
+    return learner, honest, learner.info["chunk_url"] + "/v1/info", metrics

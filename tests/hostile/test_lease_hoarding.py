@@ -11,29 +11,22 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from helpers.rogue import RogueWorker
-from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+from helpers.rogue import RogueWorker, training_swarm
+from helpers.swarm import LocalSwarm, http_json, read_metrics, wait_until
 
 from echo2swarm.wire.work import Lease
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
-PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
 
 
 def test_a_lease_hoarder_gets_its_probation_share_and_is_banned_after_lapses(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=400)
-    local_swarm.bootstrap()
     # A short window: the hoarder may take its probation share again soon after a lapse, and lapse again.
-    learner = local_swarm.start("learner", "--config", str(config),
-                                env={"ECHO2SWARM_PEERS__BAN_AFTER_LAPSED_LEASES": "2", "ECHO2SWARM_PEERS__WINDOW_S": "6"})
-    honest = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"), env=PACED)
-    local_swarm.ready(learner)
-    local_swarm.ready(honest)
-    info = learner.info["chunk_url"] + "/v1/info"
-    metrics = learner.state_dir / "run" / "metrics.jsonl"
-    wait_until(lambda: len(read_metrics(metrics)) >= 12, 120, what="the learner training on the honest peer")
+    learner, _, info, metrics = training_swarm(
+        local_swarm, tiny_model_dir, policy_key, tmp_path, steps_first=12,
+        env={"ECHO2SWARM_PEERS__BAN_AFTER_LAPSED_LEASES": "2", "ECHO2SWARM_PEERS__WINDOW_S": "6"},
+    )
     delivered_before = http_json(info)["stats"]["accepted"]
     before = read_metrics(metrics)
 

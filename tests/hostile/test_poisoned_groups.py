@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.rogue import RogueWorker, right_answer_ids
-from helpers.swarm import LocalSwarm, http_json, learner_toml, peers_json, read_metrics, wait_until
+from helpers.rogue import RogueWorker, right_answer_ids, training_swarm
+from helpers.swarm import LocalSwarm, http_json, peers_json, read_metrics, wait_until
 
 from safetensors.numpy import load_file
 
@@ -26,7 +26,6 @@ from echo2swarm.policy.store import VersionStore
 from echo2swarm.wire.work import CompletionMsg, Lease
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
-PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
 
 
 def _banned(info_url: str) -> dict[str, str]:
@@ -44,15 +43,7 @@ async def _attack(rogue: RogueWorker, craft) -> tuple[Lease, int]:
 def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
     local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=400)
-    local_swarm.bootstrap()
-    learner = local_swarm.start("learner", "--config", str(config))
-    honest = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"), env=PACED)
-    local_swarm.ready(learner)
-    local_swarm.ready(honest)
-    info = learner.info["chunk_url"] + "/v1/info"
-    metrics = learner.state_dir / "run" / "metrics.jsonl"
-    wait_until(lambda: len(read_metrics(metrics)) >= 3, 120, what="the learner training on the honest peer")
+    learner, honest, info, metrics = training_swarm(local_swarm, warm_model_dir, policy_key, tmp_path)
     answer = right_answer_ids(warm_model_dir)
 
     def absurd(prompt, n):  # finite, <= 0: passes every shape check, poisons an unchecked loss

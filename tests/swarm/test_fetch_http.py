@@ -12,7 +12,8 @@ from aiohttp import web
 
 from echo2swarm.config.models import ChunkServerConfig, FetchConfig
 from echo2swarm.learner.publisher import Publisher
-from echo2swarm.policy.fetcher import FetchError, HttpSource, PolicyFetcher, rotating
+from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
+from echo2swarm.policy.sources import HttpSource, rotating
 from echo2swarm.policy.manifest import ManifestError
 from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.wire.signing import PolicyKey

@@ -12,7 +12,8 @@ from echo2swarm.config.models import ChunkServerConfig, FetchConfig, OverlayConf
 from echo2swarm.learner.publisher import Publisher
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.streams import StreamError, open_frames, stream_name
-from echo2swarm.policy.fetcher import PolicyFetcher, SourceMissing, rotating
+from echo2swarm.policy.fetcher import PolicyFetcher
+from echo2swarm.policy.sources import SourceMissing, rotating
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.p2p import P2PSource, serve_p2p
 from echo2swarm.policy.server import ChunkService

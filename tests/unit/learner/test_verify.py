@@ -25,10 +25,8 @@ from echo2swarm.learner.verify import (
     NonFiniteWeightsError,
     Verifier,
     VerifyResult,
-    _sampling_stats,
-    score_tokens,
-    typicality_z,
 )
+from echo2swarm.learner.scoring import _sampling_stats, score_tokens, typicality_z
 from echo2swarm.rollout.engines.base import SamplingParams
 from echo2swarm.rollout.engines.hf import TransformersEngine
 from echo2swarm.tasks.arith import ArithTask

@@ -13,7 +13,8 @@ from echo2swarm.policy.broadcast_plan import PlanError, make_plan, plan_chains, 
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.pipeline import InFlight
-from echo2swarm.policy.server import Busy, ChunkService
+from echo2swarm.policy.budgets import Busy
+from echo2swarm.policy.server import ChunkService
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 

@@ -17,7 +17,8 @@ from echo2swarm.policy import pipeline
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.p2p import p2p_handler
 from echo2swarm.policy.pipeline import InFlight
-from echo2swarm.policy.server import Budget, Busy, ChunkService, TooMany
+from echo2swarm.policy.budgets import Budget, Busy, TooMany
+from echo2swarm.policy.server import ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64

@@ -18,12 +18,10 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from echo2swarm.config.models import FetchConfig
-from echo2swarm.policy.fetcher import (
-    FetchError,
+from echo2swarm.policy.fetcher import FetchError, PolicyFetcher, SourceBans
+from echo2swarm.policy.sources import (
     HttpSource,
     MinRate,
-    PolicyFetcher,
-    SourceBans,
     SourceError,
     SourceOversized,
     SourceSlow,
