@@ -85,7 +85,7 @@ async def until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     while not (result := predicate()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # poll interval of a wait with a deadline
     return result
 
 

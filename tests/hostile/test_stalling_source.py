@@ -103,7 +103,7 @@ class Rogue:
         try:
             for i in range(int(120 / DRIP_EVERY_S)):  # bounded: a follower that never gives up is cut here
                 await resp.write(real[i : i + 1])
-                await asyncio.sleep(DRIP_EVERY_S)
+                await asyncio.sleep(DRIP_EVERY_S)  # the attack itself: the drip
         except (ConnectionError, asyncio.CancelledError):
             pass
         return resp

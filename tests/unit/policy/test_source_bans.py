@@ -69,7 +69,7 @@ def _pieces(schedule: list[tuple[float, bytes]]):
         if not items:
             return b""
         delay, piece = items.pop(0)
-        await asyncio.sleep(delay)
+        await asyncio.sleep(delay)  # the scripted pace of the body under test, not a wait for a condition
         return piece
 
     return readany
@@ -111,7 +111,7 @@ async def _drip(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     for byte in BODY:
         await resp.write(bytes([byte]))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the attack itself: a byte every 0.2 s
     return resp
 
 
@@ -119,7 +119,7 @@ async def _silent(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Length": str(len(BODY))})
     await resp.prepare(request)
     await resp.write(BODY[:10])
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # the attack itself: a body that stops; the fetcher's stall timeout cuts it
     return resp
 
 
@@ -299,7 +299,7 @@ def test_a_misbehaving_learner_is_paused_and_asked_again_not_banned(tmp_path: Pa
         started = time.monotonic()
         task = asyncio.create_task(fetcher.fetch_chunks(v1, route, publisher=learner.name))
         while len(learner.asked) < 2 and not task.done():  # bounded by the fetch's own rounds
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # poll interval of a bounded wait
         learner.fault = None  # it recovers: asked again after its pause
         await asyncio.wait_for(task, 10)
         return time.monotonic() - started
