@@ -2,7 +2,8 @@
 """Soak: a demo-sized swarm under background attacks for an hour; does any daemon's memory grow?
 
     bootstrap, learner (paced steps), 2 rollout peers (paced), a relay      -- real daemons, 127.0.0.1
-    noise: a card flood (a raw DHT client storing junk cards under fresh subkeys every few seconds),
+    noise: a card flood (a raw DHT client storing cards under fresh subkeys every few seconds: half
+           validly signed by fresh keys, half unsigned),
            lease hoarding (a client that asks for leases and never submits; a fresh identity when banned),
            slow readers (connections that drip-read chunks from the relay and the learner)
     every --sample-s: RSS and open file descriptors of each daemon (its children included: p2pd, the
@@ -69,17 +70,25 @@ async def card_flood(bootstrap: str, swarm: str, stop: threading.Event, stats: d
     from hivemind.utils.timed_storage import get_dht_time
 
     from echo2swarm.overlay.dht_keys import peers_key
+    from echo2swarm.wire.peer_keys import PeerKey
+    from echo2swarm.wire.records import PeerCard
 
     p2p = await P2P.create(initial_peers=[bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     node = await DHTNode.create(p2p=p2p, initial_peers=[bootstrap], record_validator=None, client_mode=True)
     try:
         while not stop.is_set():
-            for _ in range(per_round):
-                fake = "12D3KooW" + secrets.token_hex(22)[:44]
-                card = {"peer_id": fake, "role": "rollout", "price": 0.0, "version": None, "state": "ready",
-                        "software": "0.1.0", "rollouts_per_s": 1e6, "updated_ms": int(time.time() * 1000)}
-                await node.store(peers_key(swarm), card, get_dht_time() + 30, subkey=fake)
-                stats["cards_stored"] += 1
+            for i in range(per_round):
+                if i % 2:  # a validly signed card from a fresh key (free to make), claiming to be the cheapest peer
+                    key = PeerKey.generate()
+                    card = PeerCard(peer_id=key.peer_id, role="rollout", price=0.0, state="ready", software="0.1.0",
+                                    rollouts_per_s=1e6, updated_ms=int(time.time() * 1000)).signed(key, swarm, 30)
+                    subkey, value = key.peer_id, card.model_dump(mode="json")
+                else:  # an unsigned one, which every validating node refuses
+                    subkey = "12D3KooW" + secrets.token_hex(22)[:44]
+                    value = {"peer_id": subkey, "role": "rollout", "price": 0.0, "state": "ready", "software": "0.1.0",
+                             "rollouts_per_s": 1e6, "updated_ms": int(time.time() * 1000)}
+                stored = await node.store(peers_key(swarm), value, get_dht_time() + 30, subkey=subkey)
+                stats["cards_accepted" if stored else "cards_refused"] += 1
             await asyncio.sleep(5.0)  # pacing of the flood
     finally:
         await node.shutdown()
@@ -166,7 +175,7 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60.0, help="how long to soak after the swarm is up")
     parser.add_argument("--warmup-minutes", type=float, default=10.0, help="growth is measured from here on")
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples")
-    parser.add_argument("--cards-per-round", type=int, default=50, help="junk cards stored every 5 s")
+    parser.add_argument("--cards-per-round", type=int, default=50, help="flood cards stored every 5 s")
     parser.add_argument("--out", type=Path, default=None, help="directory for the run (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the samples and verdicts as JSON at the end")
     args = parser.parse_args()

@@ -213,9 +213,12 @@ class LearnerService:
             # and a group too old for it is refused now rather than buffered only to go stale.
             intake.advance(self.version + 1)  # the batch left the buffer: held lease requests can be answered
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
-            for peer, prompt_id, reason in stats.pop("refused_groups", []):
+            refused = stats.pop("refused_groups", [])
+            for peer, prompt_id, reason in refused:
                 logger.warning("group %s from %s failed verification (%s): not trained on", prompt_id, peer, reason)
                 intake.strike(peer, f"verify_{reason}")
+            thrown = {(peer, prompt_id) for peer, prompt_id, _ in refused}
+            intake.reissue([g for g in groups if (g.peer_id, g.prompt_id) in thrown])
             self.steps_done += 1
             trained_version = self.version
             self.version += 1

@@ -35,6 +35,7 @@ class Group:
     finish_reasons: list[str]
     peer_id: str = ""
     received_at: float = 0.0  # time.monotonic() when the learner accepted it
+    prompt_index: int | None = None  # the task's index of the prompt: re-issued if the group is thrown away
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -157,19 +158,19 @@ class RolloutBuffer:
         self.taken += len(out)
         return out
 
-    def drop_peer(self, peer_id: str) -> int:
-        """Remove every buffered group of `peer_id` (it was banned), counted as `banned`; returns how many."""
-        dropped = 0
+    def drop_peer(self, peer_id: str) -> list[Group]:
+        """Remove every buffered group of `peer_id` (it was banned), counted as `banned`; returns them."""
+        dropped: list[Group] = []
         for version in list(self._by_version):
             bucket = self._by_version[version]
             kept = collections.deque(g for g in bucket if g.peer_id != peer_id)
-            dropped += len(bucket) - len(kept)
+            dropped += [g for g in bucket if g.peer_id == peer_id]
             if kept:
                 self._by_version[version] = kept
             else:
                 del self._by_version[version]
-        self._size -= dropped
-        self.dropped["banned"] += dropped
+        self._size -= len(dropped)
+        self.dropped["banned"] += len(dropped)
         return dropped
 
     def versions(self) -> dict[int, int]:

@@ -145,9 +145,16 @@ class Intake:
     def _banned(self, peer: str, ban: Ban) -> None:
         revoked = self.leases.drop_peer(peer)
         dropped = self.buffer.drop_peer(peer)
-        logger.warning("peer %s banned (%s): %d open prompts re-issued, %d buffered groups dropped",
-                       peer, ban.reason, revoked, dropped)
+        self.reissue(dropped)
+        logger.warning("peer %s banned (%s): %d open prompts re-issued, %d buffered groups dropped and their "
+                       "prompts re-issued", peer, ban.reason, revoked, len(dropped))
         self.work_freed()
+
+    def reissue(self, groups: list[Group]) -> None:
+        """Thrown-away groups (a banned peer's, or refused by verification): their prompts go to others."""
+        indices = [g.prompt_index for g in groups if g.prompt_index is not None]
+        self.leases.requeue.extend(indices)
+        self.leases.stats["reissued_after_refusal"] += len(indices)
 
     @property
     def capacity(self) -> int:
@@ -288,6 +295,7 @@ class Intake:
             finish_reasons=[c.finish_reason for c in sub.completions],
             peer_id=peer,
             received_at=self.clock(),
+            prompt_index=index,
         ))
         self.accepted += 1
         self.delivered[peer] += 1

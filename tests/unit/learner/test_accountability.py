@@ -81,6 +81,9 @@ def test_the_intake_bans_a_liar_revokes_its_leases_and_drops_its_groups() -> Non
     assert intake.ledger.banned(B) is not None
     assert not any(lease.peer_id == B for lease in intake.leases.open.values())  # re-issued
     assert len(intake.buffer) == 1 and intake.buffer.dropped["banned"] == 1
+    # The liar's prompts go to others: its open one and the one whose group was thrown away.
+    liar_prompts = {int(p.prompt_id.split(":")[1]) for p in liar_lease.prompts}
+    assert liar_prompts <= set(intake.leases.requeue) and intake.leases.stats["reissued_after_refusal"] == 1
     reply = _lease(intake, B)
     assert isinstance(reply, LeaseWait) and reply.done and "banned" in reply.reason
     assert intake.accept(_right_group(liar_lease, 1), B) == "banned"
