@@ -284,7 +284,8 @@ class PolicyFollower:
             http = HttpSource(self.session, head.chunk_url, self.fetch_config, name=name, peer_id=head.publisher) \
                 if head.chunk_url else None
             p2p = P2PSource(self.overlay, head.publisher, list(head.maddrs), self.fetch_config, name=name)
-            cached = self._publisher_cache = (address, PeerSource(http, p2p, name, head.publisher, url=head.chunk_url))
+            cached = self._publisher_cache = (address, PeerSource(http, p2p, name, head.publisher, url=head.chunk_url,
+                                                                  config=self.fetch_config))
         return cached[1]
 
     def _holders(self, version: int) -> list[ChunkSource]:

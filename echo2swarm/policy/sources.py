@@ -173,8 +173,8 @@ class HttpSource:
         what = f"{self.name}{path}"
         try:
             async with self.session.get(self.url + path, timeout=limits) as resp:
-                if resp.status == 503:
-                    raise SourceBusy(f"{what}: busy")
+                if resp.status in (429, 503):  # its budget, or our share of it, is full: try another holder
+                    raise SourceBusy(f"{what}: busy ({resp.status})")
                 if resp.status == 404:
                     raise SourceMissing(f"{what}: not held")
                 if resp.status != 200:
