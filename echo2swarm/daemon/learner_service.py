@@ -216,7 +216,10 @@ class LearnerService:
             refused = stats.pop("refused_groups", [])
             for peer, prompt_id, reason in refused:
                 logger.warning("group %s from %s failed verification (%s): not trained on", prompt_id, peer, reason)
-                intake.strike(peer, f"verify_{reason}")
+                if reason == "atypical_text":  # statistical, and honest samples reach its tail now and then
+                    self.ledger.stats["verify_atypical"] += 1
+                else:  # logprobs that do not match the behaviour version: a lie
+                    intake.strike(peer, f"verify_{reason}")
             thrown = {(peer, prompt_id) for peer, prompt_id, _ in refused}
             intake.reissue([g for g in groups if (g.peer_id, g.prompt_id) in thrown])
             self.steps_done += 1

@@ -62,7 +62,8 @@ engine dtype, T = 1, top_p = 1; also 300 at T = 0.7, top_p = 0.9), |claimed - re
     honest typicality z              8.6 (2400 groups), 9.2 (another 3000 groups); p99 ~5
 
 The defaults (VerifyConfig) leave about 3x margin over these: exact_tolerance 1.0 and
-exact_mean_tolerance 0.1 nats, + 3.0 and + 1.0 nats per version of staleness, typicality_z 12.
+exact_mean_tolerance 0.1 nats, + 3.0 and + 1.0 nats per version of staleness, typicality_z 24
+(raised from 12 after an honest group scored 18.3 in a 300-step demo run: the tail is heavy).
 With them no honest group of 4200 was refused, and of crafted groups: every absurd one; right
 answers with a constant logprob, all at k = 0 (97 % at T = 0.7, where the model is near certain
 of some answers, so the constant is close to the truth), 70-100 % at k = 1 from a peer with no
