@@ -9,7 +9,7 @@ VLLM_VENV  := .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install install-vllm test test-fast test-vllm demo clean
+.PHONY: install install-vllm system-deps test test-fast test-vllm demo clean
 
 install: $(STAMP)
 
@@ -19,10 +19,19 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,data,wandb]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Debian packages the tests need: headless Chromium renders the learner's live page.
+# Installed only when missing (needs root); elsewhere the browser test skips and says why.
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; \
+	  else echo "chromium missing: install it (apt-get install chromium) for the live-page browser test"; fi; }
+
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest tests -q -m "not vllm"
 
 install-vllm: $(VLLM_STAMP)

@@ -5,6 +5,7 @@
     GET /v1/manifest/{version}         -> the signed manifest envelope, byte for byte as the learner made it
     GET /v1/plan/{version}             -> the learner's signed broadcast plan for that version, else 404
     GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
+    GET <extra routes>                 -> what the daemon adds (`routes=`): /metrics, the live page
 
 `ChunkService` is the part both transports share: what may be served, the budgets, the upload
 limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
@@ -38,7 +39,7 @@ import contextlib
 import os
 import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -53,6 +54,8 @@ from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
@@ -200,8 +203,10 @@ class ChunkServer:
         service: ChunkService,
         info: Callable[[], dict[str, Any]] = dict,
         head: Callable[[], bytes | None] = lambda: None,
+        routes: Sequence[tuple[str, Handler]] = (),
     ):
         self.service = service
+        self.routes = tuple(routes)  # extra GET routes (path, handler), answered from the control budget
         self.config = service.config
         self.info = info
         self.head = head
@@ -219,6 +224,8 @@ class ChunkServer:
         app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
         app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
         app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False, name="chunk")
+        for path, handler in self.routes:
+            app.router.add_get(path, handler, allow_head=False)
         return app
 
     # -- connections ---------------------------------------------------------------------------
