@@ -20,6 +20,7 @@ import aiohttp
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.policy.pipeline import InFlight
+from echo2swarm.policy.server import Handler
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.wire.records import HeadRecord, PeerState
 
@@ -78,6 +79,9 @@ class RoleService(Protocol):
     def signed_plan(self, version: int) -> bytes | None:
         """The signed broadcast plan of `version` this daemon serves (the learner's), else None."""
 
+    def http_routes(self) -> list[tuple[str, Handler]]:
+        """Extra GET routes (path, handler) on the daemon's HTTP server (the learner's live page)."""
+
 
 class BootstrapService:
     """Keeps the DHT reachable; holds no policy."""
@@ -102,3 +106,6 @@ class BootstrapService:
 
     def signed_plan(self, version: int) -> bytes | None:
         return None
+
+    def http_routes(self) -> list[tuple[str, Handler]]:
+        return []

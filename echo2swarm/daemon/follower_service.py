@@ -16,6 +16,7 @@ from pathlib import Path
 from echo2swarm.config.models import RelayConfig, RolloutConfig
 from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.policy.follower import PolicyFollower
+from echo2swarm.policy.server import Handler
 from echo2swarm.policy.trust import TrustAnchor
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.records import HeadRecord
@@ -91,6 +92,9 @@ class FollowerService:
 
     def signed_plan(self, version: int) -> bytes | None:
         return None
+
+    def http_routes(self) -> list[tuple[str, Handler]]:
+        return []
 
     def card_fields(self) -> CardFields:
         mu = self.worker.throughput.rollouts_per_s if self.worker is not None else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.config.models import LearnerConfig
+from echo2swarm.daemon import live_page
 from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.activation_loop import LearnerActivation
@@ -33,6 +34,7 @@ from echo2swarm.learner.metrics import MetricsLog
 from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
 from echo2swarm.learner.verify import NonFiniteWeightsError
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
+from echo2swarm.policy.server import Handler
 from echo2swarm.policy.store import collect_garbage
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
@@ -289,6 +291,10 @@ class LearnerService:
 
     def signed_plan(self, version: int) -> bytes | None:
         return self.broadcast.get_plan(version)
+
+    def http_routes(self) -> list[tuple[str, Handler]]:
+        """The live swarm page and the JSON it reads (daemon/live_page.py)."""
+        return live_page.routes(self)
 
     def card_fields(self) -> CardFields:
         t_bcast = self.broadcast.t_bcast_s

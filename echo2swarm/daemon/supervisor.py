@@ -197,7 +197,8 @@ class Daemon:
                                                   inflight, plan=service.signed_plan)
                 await serve_p2p(overlay, self.chunk_service)  # the fallback transport, always on
                 if config.chunk_server.enabled:
-                    self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes)
+                    self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes,
+                                              routes=service.http_routes())
                     port = await self.server.start()
                     host = config.chunk_server.host
                     if host in ("0.0.0.0", "::", ""):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,13 @@ logger = get_logger(__name__)
 
 
 class MetricsLog:
-    """Append-only, flushed every line, so `tail -f` and a crashed run both see every finished step."""
+    """Append-only, flushed every line, so `tail -f` and a crashed run both see every finished step.
 
-    def __init__(self, run_dir: Path):
+    The last `keep_recent` records also stay in memory (`recent`), for the live page's curves.
+    """
+
+    def __init__(self, run_dir: Path, keep_recent: int = 2000):
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep_recent)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
@@ -28,11 +33,21 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._recent.append(record)
         if self._tb is not None:
             step = record.get("step", 0)
             for key, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(key, value, step)
+
+    def recent(self, after_step: int | None = None, limit: int = 500) -> list[dict[str, Any]]:
+        """At most `limit` of the records kept in memory, oldest first: the last ones, or, with
+        `after_step`, the first ones whose step is greater."""
+        if limit <= 0:
+            return []
+        if after_step is None:
+            return list(self._recent)[-limit:]
+        return [r for r in self._recent if r.get("step", -1) > after_step][:limit]
 
     def close(self) -> None:
         self._file.close()
