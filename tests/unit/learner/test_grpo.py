@@ -7,20 +7,19 @@ import math
 import pytest
 import torch
 
-from echo2swarm.learner.grpo import group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.grpo import LossOptions, group_advantages, grpo_loss, token_logprobs
 from echo2swarm.models.tiny import build_tiny_model
 
 # ---------------------------------------------------------------------------- group_advantages
 
 
 def test_group_advantages_std_scaled_and_plain() -> None:
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # mean 0.5, population std 0.5
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # mean 0.5, sample std sqrt(1/3)
 
     scaled = group_advantages(rewards)
     plain = group_advantages(rewards, scale_std=False)
 
-    torch.testing.assert_close(scaled, torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(scaled, torch.tensor([0.5, -0.5, -0.5, 0.5]) / (0.5 + 1e-6))
+    torch.testing.assert_close(scaled, torch.tensor([0.5, -0.5, -0.5, 0.5]) / (math.sqrt(1 / 3) + 1e-4))
     torch.testing.assert_close(plain, torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
@@ -152,18 +151,19 @@ def test_grpo_loss_kl_k3_hand_computed() -> None:
     ref = lp.detach() + KL_DELTA
     expected_kl = (math.e - 1.5) / 5
 
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1)
+    k3 = LossOptions(kl_estimator="k3")
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1, options=k3)
     assert stats["kl"] == pytest.approx(expected_kl)
     assert loss.item() == pytest.approx(-0.34 + 0.1 * expected_kl)
 
     # reported but not added when kl_coef is 0
-    loss0, stats0 = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref)
+    loss0, stats0 = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=k3)
     assert loss0.item() == pytest.approx(-0.34)
     assert stats0["kl"] == pytest.approx(expected_kl)
 
     # d/dlp of k3 = 1 - exp(d), token mean: (0,1) -> (1 - 2)/5 more (times kl_coef)
     lp.grad = None
-    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1)
+    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1, options=k3)
     loss.backward()
     kl_grad = 0.1 * (1 - KL_DELTA.exp()) * MASK / 5
     torch.testing.assert_close(lp.grad, EXPECTED_GRAD + kl_grad)
@@ -347,3 +347,137 @@ def test_grpo_steps_raise_logprob_of_rewarded_completions() -> None:
     after_good, after_bad = mean_lp(rewarded), mean_lp(~rewarded)
     assert after_good > before_good + 0.05, (before_good, after_good)
     assert after_bad < before_bad - 0.05, (before_bad, after_bad)
+
+
+# ---------------------------------------------------------------------------- loss options
+#
+# Unweighted token losses from the PPO table above: row 0: -2.4, -1.0 (2 tokens); row 1: 0.4, 0.55, 0.75.
+
+
+@pytest.mark.parametrize(
+    ("options", "expected_loss", "grad_01", "grad_11", "grad_12"),
+    [
+        # token mean: sum -1.7 over 5 tokens; d/dlp = -A r / 5
+        (LossOptions(loss_type="bnpo"), -1.7 / 5, -1.0 / 5, 0.55 / 5, 0.75 / 5),
+        # mean of row means: row 0 -3.4/2, row 1 1.7/3; d/dlp = -A r / (tokens in row) / 2 rows
+        (LossOptions(loss_type="grpo"), (-3.4 / 2 + 1.7 / 3) / 2, -1.0 / 4, 0.55 / 6, 0.75 / 6),
+        # Dr. GRPO: sum over 2 rows x max length 4
+        (LossOptions(loss_type="dr_grpo", max_completion_length=4), -1.7 / 8, -1.0 / 8, 0.55 / 8, 0.75 / 8),
+        # DAPO: sum over the step's 10 tokens (this minibatch holds 5 of them)
+        (LossOptions(loss_type="dapo", global_tokens=10), -1.7 / 10, -1.0 / 10, 0.55 / 10, 0.75 / 10),
+    ],
+)
+def test_loss_aggregation_hand_computed(options: LossOptions, expected_loss: float, grad_01: float,
+                                        grad_11: float, grad_12: float) -> None:
+    lp = _logprobs(BEHAVIOUR)
+    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, options=options)
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss)
+    expected = torch.zeros_like(lp)
+    expected[0, 1], expected[1, 1], expected[1, 2] = grad_01, grad_11, grad_12
+    torch.testing.assert_close(lp.grad, expected)
+
+
+def test_loss_options_validated() -> None:
+    with pytest.raises(ValueError, match="loss_type"):
+        LossOptions(loss_type="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_completion_length"):
+        LossOptions(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="global_tokens"):
+        LossOptions(loss_type="dapo")
+    with pytest.raises(ValueError, match="is_mode"):
+        LossOptions(is_mode="drop")  # type: ignore[arg-type]
+
+
+def test_token_mask_mode_hand_computed() -> None:
+    # WEIGHT (proximal/behaviour) = [[3, .5, pad], [1, 1.5, 2.5]], cap 2: tokens (0,0) and (1,2) leave
+    # the objective. Left: (0,1) -1.0 * .5, (1,0) 0.4 * 1, (1,1) 0.55 * 1.5 -> 0.725 over 3 tokens.
+    lp = _logprobs(PROXIMAL)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0,
+                            options=LossOptions(is_mode="mask"))
+    loss.backward()
+    assert loss.item() == pytest.approx(0.725 / 3)
+    assert stats["is_masked_frac"] == pytest.approx(2 / 5)
+    assert stats["is_truncated_frac"] == 0.0
+    assert stats["is_weight_mean"] == pytest.approx((0.5 + 1.0 + 1.5) / 3)
+    # d/dlp = -A r w / 3 on unclipped kept tokens; masked and clipped ones get nothing
+    expected = torch.tensor([[0.0, -2.0 * 0.5 * 0.5 / 3, 0.0], [0.0, 0.55 * 1.5 / 3, 0.0]], dtype=D)
+    torch.testing.assert_close(lp.grad, expected)
+
+
+def test_truncate_mode_reports_truncated_share_and_ess() -> None:
+    lp = _logprobs(PROXIMAL)
+    _, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0)
+    assert stats["is_truncated_frac"] == pytest.approx(2 / 5)  # weights 3 and 2.5 cut to 2
+    raw = [3.0, 0.5, 1.0, 1.5, 2.5]
+    assert stats["is_ess"] == pytest.approx(sum(raw) ** 2 / (5 * sum(w * w for w in raw)))
+    logs = [abs(math.log(w)) for w in raw]
+    assert stats["offpolicy_gap_mean"] == pytest.approx(sum(logs) / 5)
+    assert stats["offpolicy_gap_max"] == pytest.approx(math.log(3.0))
+
+
+def test_sequence_level_weights_hand_computed() -> None:
+    # one weight per sequence: the geometric mean of its tokens' weights
+    w0, w1 = math.sqrt(3.0 * 0.5), (1.0 * 1.5 * 2.5) ** (1 / 3)  # 1.2247, 1.5536
+    lp = _logprobs(PROXIMAL)
+    seq = LossOptions(is_level="sequence")
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=seq)
+    assert loss.item() == pytest.approx((w0 * -3.4 + w1 * 1.7) / 5)
+    assert stats["is_truncated_frac"] == 0.0
+    # cap 1.5 with masking: sequence 1 (weight 1.55) leaves the objective as a whole
+    masked = LossOptions(is_level="sequence", is_mode="mask")
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=1.5, options=masked)
+    assert loss.item() == pytest.approx(w0 * -3.4 / 2)
+    assert stats["is_masked_frac"] == pytest.approx(3 / 5)
+    # truncated instead: sequence 1 weighs 1.5
+    cut = LossOptions(is_level="sequence", is_mode="truncate")
+    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=1.5, options=cut)
+    assert loss.item() == pytest.approx((w0 * -3.4 + 1.5 * 1.7) / 5)
+
+
+def test_kl_k3_is_hand_computed() -> None:
+    # lp = behaviour + log RATIO, so pi/mu = RATIO (all <= 2: no truncation); k3 per token from KL_DELTA.
+    lp = _logprobs(BEHAVIOUR)
+    ref = lp.detach() + KL_DELTA
+    k3 = torch.exp(KL_DELTA) - KL_DELTA - 1
+    expected_kl = float((RATIO * k3 * MASK).sum() / 5)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1)
+    loss.backward()
+    assert stats["kl"] == pytest.approx(expected_kl)
+    assert loss.item() == pytest.approx(-0.34 + 0.1 * expected_kl)
+    # d/dlp [(pi/mu) k3] = (pi/mu) (log pi - log ref) = RATIO * -KL_DELTA
+    torch.testing.assert_close(lp.grad, EXPECTED_GRAD + 0.1 * RATIO * -KL_DELTA * MASK / 5)
+
+
+def _kl_estimate(estimator: str, theta: torch.Tensor, mu: torch.Tensor, ref: torch.Tensor, copies: list[int]):
+    """The token-mean KL term over a batch holding token i `copies[i]` times (an exact expectation
+    under the behaviour distribution mu = copies / sum(copies))."""
+    tokens = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)])
+    logp = torch.log_softmax(theta, dim=-1)
+    lp = logp[tokens].unsqueeze(1)
+    loss, stats = grpo_loss(lp, mu.log()[tokens].unsqueeze(1), torch.zeros(len(tokens), dtype=D), torch.ones_like(lp),
+                            ref_logprobs=ref.log()[tokens].unsqueeze(1), kl_coef=1.0, is_cap=None,
+                            options=LossOptions(kl_estimator=estimator))
+    return loss, stats
+
+
+def test_kl_k3_is_is_unbiased_for_reverse_kl_off_policy() -> None:
+    # Behaviour mu != pi: the importance-corrected k3 has the value and the gradient of KL(pi || ref).
+    copies = [4, 2, 1, 1]
+    mu = torch.tensor(copies, dtype=D) / sum(copies)
+    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=D)
+    theta = torch.tensor([0.3, -0.2, 0.1, 0.5], dtype=D, requires_grad=True)
+    loss, stats = _kl_estimate("k3_is", theta, mu, ref, copies)
+    loss.backward()
+
+    theta2 = theta.detach().clone().requires_grad_(True)
+    pi = torch.softmax(theta2, dim=-1)
+    true_kl = (pi * (pi.log() - ref.log())).sum()
+    true_kl.backward()
+    assert stats["kl"] == pytest.approx(float(true_kl))
+    torch.testing.assert_close(theta.grad, theta2.grad)
+
+    # The plain k3 on the same samples estimates neither (it is biased off-policy).
+    theta3 = theta.detach().clone().requires_grad_(True)
+    _, plain = _kl_estimate("k3", theta3, mu, ref, copies)
+    assert abs(plain["kl"] - float(true_kl)) > 1e-3
