@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
+from echo2swarm.config.metrics import MetricsConfig
 from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, PeersConfig, TrainConfig, VerifyConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
@@ -410,6 +411,7 @@ class LearnerConfig(_DaemonBase):
     activation: ActivationConfig = Field(default_factory=ActivationConfig)
     peers: PeersConfig = Field(default_factory=PeersConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _needs_model(self) -> "LearnerConfig":
