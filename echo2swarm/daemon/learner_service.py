@@ -104,7 +104,9 @@ class LearnerService:
         with contextlib.suppress(Exception):  # followers already in the swarm get the first version by plan
             self.broadcast.observe((await self.ctx.overlay.get_cards())[0])
         await self._publish()
-        self.metrics = MetricsLog(self.run_dir)
+        # In a thread: wandb.init may take up to metrics.wandb_init_timeout_s, and the DHT keeps announcing meanwhile.
+        self.metrics = await asyncio.to_thread(MetricsLog, self.run_dir, self.config.metrics, decode=self.trainer.decode,
+                                               hparams=self.config.model_dump(mode="json"))
         self.intake = Intake(
             task, self.train, self.config.leases,
             encode=self.trainer.encode_prompt, decode=self.trainer.decode,
@@ -252,7 +254,7 @@ class LearnerService:
                 "leases": dict(intake.leases.stats), "delivered": dict(intake.delivered),
                 "tokens_per_s": round(stats["tokens"] / max(1e-9, time.monotonic() - step_started), 1),
                 **self.activation.step_metrics(waited + busy),
-            })
+            }, groups=groups)  # every metrics.samples_every steps a few decoded completions go with it
             if self.steps_done % train.checkpoint_every == 0:
                 await self._checkpoint()
             if train.reward_target is not None and len(self.recent_rewards) == self.recent_rewards.maxlen \
