@@ -43,8 +43,55 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1.")
     clip_high: float = Field(0.2, gt=0, description="PPO clip above 1.")
-    is_cap: float = Field(2.0, ge=1, description="Cap of the truncated importance weight for stale rollouts.")
+    is_cap: float = Field(
+        2.0, ge=1, description="Cap of the behaviour importance weight exp(proximal - behaviour) of stale rollouts; "
+        "what happens above it is is_mode.",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="Above is_cap: 'truncate' the weight to the cap (keeps every token, biased toward "
+        "the behaviour policy), or 'mask' the token (sequence, with is_level = 'sequence') out of the objective "
+        "(AReaL-style: drops the tokens the learner's policy has moved furthest from; use it when staleness is "
+        "large and is_truncated_frac in metrics.jsonl is high).",
+    )
+    is_level: Literal["token", "sequence"] = Field(
+        "token", description="One importance weight per 'token', or per 'sequence' (the geometric mean of its "
+        "tokens' weights: lower variance on long completions, coarser).",
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, le=16, description="Passes over each step's batch. Each pass makes `minibatches` optimizer updates.",
+    )
+    minibatches: int = Field(
+        2, ge=1, le=256, description="Optimizer updates per pass; the batch is split into this many minibatches of "
+        "whole groups (fewer when the step has fewer groups). From the second update on the PPO clip bounds how far the policy moves from the one that "
+        "started the step (with a single update the ratio is exactly 1 and the clip never acts).",
+    )
+    loss_type: Literal["bnpo", "grpo", "dr_grpo", "dapo"] = Field(
+        "bnpo", description="How token losses become one loss (TRL's names): 'bnpo' token mean over the minibatch; "
+        "'grpo' mean of per-sequence token means (short completions weigh more per token); 'dr_grpo' token sum over "
+        "sequences x max_new_tokens (Dr. GRPO: no length bias; pair with scale_std = false); 'dapo' token sum over "
+        "the step's tokens / minibatches (every token of the step weighs the same).",
+    )
+    max_offpolicy_gap: float | None = Field(
+        None, gt=0, description="Drop a group from the step when the mean |log proximal - log behaviour| of its "
+        "tokens exceeds this (counted as offpolicy_dropped; the group's prompt is not re-issued). None: keep all. "
+        "Typical gaps are in offpolicy_gap_mean in metrics.jsonl.",
+    )
+    schedule: Literal["freshest", "oldest", "hold"] = Field(
+        "freshest", description="Which buffered groups a step trains: 'freshest' (newest version first: lowest "
+        "staleness), 'oldest' (oldest first: fewest groups dropped as stale, staleness near S), or 'hold' (every "
+        "group waits until it is exactly S versions old: for benchmarks of the trust region).",
+    )
+    inflight_headroom: float = Field(
+        1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x (groups the learner "
+        "trains while one lease is out: R x L_gen / T_train, measured), and never above (S + 1) x R. Lower: fresher "
+        "rollouts, more bubble.",
+    )
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model kept).")
+    kl_estimator: Literal["k3_is", "k3"] = Field(
+        "k3_is", description="KL(pi||ref) estimator when kl_coef > 0: 'k3_is' (k3 times the importance ratio "
+        "pi/behaviour: unbiased value and gradient on rollout tokens), or 'k3' (plain k3: its gradient is that of "
+        "KL(ref||pi); for reproducing older runs).",
+    )
     scale_std: bool = Field(True, description="Divide group advantages by the group's reward std.")
     seed: int = Field(0, ge=0, description="Seeds prompts, sampling seeds handed to peers, and torch.")
     threads: int | None = Field(None, ge=1, description="torch threads for training. None: torch's default.")

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import completion_logits, group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.grpo import LossOptions, completion_logits, group_advantages, grpo_loss, token_logprobs
 from echo2swarm.learner.scoring import score_logits
 from echo2swarm.learner.verify import (
     NonFiniteWeightsError,
@@ -59,6 +59,17 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
+
+    def select(self, rows: torch.Tensor) -> tuple[Batch, int]:
+        """The rows ``rows`` ([n] long), without the leading columns that are padding in all of them;
+        also returns the first column kept (slice per-token tensors of the full batch with it)."""
+        sub = Batch(*(getattr(self, f.name).index_select(0, rows) for f in fields(self)))
+        used = sub.attention_mask.bool().any(dim=0).nonzero()
+        first = int(used[0]) if used.numel() else 0
+        if first:
+            sub = replace(sub, input_ids=sub.input_ids[:, first:], attention_mask=sub.attention_mask[:, first:],
+                          completion_mask=sub.completion_mask[:, first:], behaviour=sub.behaviour[:, first:])
+        return sub, first
 
     def only_rows(self, keep: torch.Tensor) -> Batch:
         """The same tensors with the rows where ``keep`` ([B] bool) is false taken out of the
@@ -126,7 +137,7 @@ class GRPOTrainer:
         if self.verify_config.enabled:
             self.verifier = Verifier(self.verify_config, temperature=config.temperature, top_p=config.top_p,
                                      weights_of=weights_of, make_spare=self._spare_model)
-        self.skipped_nonfinite = 0  # steps skipped so far because the loss or a gradient was not finite
+        self.skipped_nonfinite = 0  # updates skipped so far because the loss or a gradient was not finite
 
     def _spare_model(self) -> torch.nn.Module:
         """A second copy of the policy on the training device, to hold older versions' weights.
@@ -204,69 +215,154 @@ class GRPOTrainer:
     def step(self, groups: list[Group], current_version: int) -> dict[str, Any]:
         """One GRPO step on ``groups`` (trained at policy version ``current_version``).
 
-        Returns float stats of the objective (``loss``, ``clip_frac``, ``ratio_mean``, ``kl``,
-        ``is_weight_mean``), ``grad_norm``, rewards and sizes of what trained, ``t_train_s``, and:
+        Returns float stats of the objective averaged over the step's optimizer updates (``loss``,
+        ``clip_frac``, ``ratio_mean``, ``kl``, ``is_weight_mean``, ``is_truncated_frac``,
+        ``is_masked_frac``, ``is_ess``, ``offpolicy_gap_mean``; ``offpolicy_gap_max`` is the max),
+        ``grad_norm`` (mean), ``updates``, rewards and sizes of what trained, ``t_train_s``, and:
         ``refused_groups`` [(peer_id, prompt_id, reason)], ``verify_checked``, ``verify_exact``,
-        ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``groups_trained``,
-        and ``skipped_nonfinite`` (1 when the loss or the gradient norm was not finite and no update
-        was made, else 0). A batch whose every group is refused trains nothing (``groups_trained``
-        0, ``loss`` 0.0, no optimizer step).
+        ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``offpolicy_dropped``,
+        ``groups_trained``, and ``skipped_nonfinite`` (updates not made because the loss or the
+        gradient norm was not finite). A batch whose every group is refused trains nothing
+        (``groups_trained`` 0, ``loss`` 0.0, no optimizer step).
 
-        One forward of the policy serves everything: its logprobs, detached, are the proximal
-        logprobs (the policy at this step, as a separate no_grad forward would give them, without
-        paying for it), the verification's reference, and the decoupled objective's anchor when
-        stale groups train; with gradient, they are the objective's.
+        The first forward of the policy gives the proximal logprobs (the policy before this step's
+        first update), the verification's reference and the off-policy gap. With one update per step
+        (``ppo_epochs * minibatches == 1``) that forward, with gradient, is also the objective's;
+        otherwise it runs without gradient and each minibatch has its own forward and update, the
+        clip bounding the move away from the proximal policy.
         """
         started = time.perf_counter()
+        config = self.config
         batch = self.build_batch(groups)
-        temperature = self.config.temperature
-        scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                   temperature=temperature)
-        logprobs = scored.token_logprobs()
+        rows = self._group_rows(groups)
+        one_update = config.ppo_epochs * min(config.minibatches, len(groups)) == 1
+        with torch.set_grad_enabled(one_update):
+            scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                       temperature=config.temperature)
+            logprobs = scored.token_logprobs()
         proximal = logprobs.detach()
         verdict = VerifyResult(keep=[True] * len(groups))
         t_verify = 0.0
         if self.verifier is not None:
             verify_started = time.perf_counter()
-            scores = score_logits(scored, top_p=self.config.top_p, logprobs=proximal,
+            scores = score_logits(scored, top_p=config.top_p, logprobs=proximal,
                                   typicality=self.verify_config.typicality_z is not None)
             with torch.no_grad():
                 verdict = self.verifier.check(
-                    groups, self._group_rows(groups), current_version=current_version,
+                    groups, rows, current_version=current_version,
                     input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores,
                 )
-            if not all(verdict.keep):
-                # Refused rows stay in the tensors but leave the objective: masked positions
-                # contribute nothing to grpo_loss, whatever they hold (inf and NaN included).
-                keep_rows = torch.tensor([keep for g, keep in zip(groups, verdict.keep) for _ in g.completions],
-                                         dtype=torch.bool, device=self.device)
-                batch = batch.only_rows(keep_rows)
-                groups = [g for g, keep in zip(groups, verdict.keep) if keep]
             t_verify = time.perf_counter() - verify_started
-        verify_stats = {**verdict.stats(), "t_verify_s": t_verify, "groups_trained": len(groups)}
-        if not groups:
+        del scored
+        keep = list(verdict.keep)
+        offpolicy_dropped = self._drop_offpolicy(groups, rows, keep, proximal, batch)
+        verify_stats = {**verdict.stats(), "t_verify_s": t_verify, "offpolicy_dropped": offpolicy_dropped,
+                        "groups_trained": sum(keep)}
+        if not all(keep):
+            # Refused rows stay in the tensors but leave the objective: masked positions
+            # contribute nothing to grpo_loss, whatever they hold (inf and NaN included).
+            keep_rows = torch.tensor([k for g, k in zip(groups, keep) for _ in g.completions],
+                                     dtype=torch.bool, device=self.device)
+            batch = batch.only_rows(keep_rows)
+        kept_groups = [(g, r) for g, r, k in zip(groups, rows, keep) if k]
+        if not kept_groups:
             logger.warning("step at v%d: every group was refused; nothing to train", current_version)
-            del scored, logprobs
             return self._idle_stats(verify_stats, started)
 
         kept = batch.completion_mask.bool().any(dim=1)
         stale_rows = kept & (batch.versions < current_version)
-        stale = bool(stale_rows.any())
+        # Decoupled PPO (clip against the proximal policy, re-weight by the behaviour importance
+        # weight) when some groups are stale or the step makes several updates.
+        decoupled = bool(stale_rows.any()) or not one_update
+        if one_update:
+            step_tokens = float(batch.completion_mask.sum())
+            updates = [self._objective(logprobs, proximal if decoupled else None, batch, step_tokens, current_version)]
+        else:
+            del logprobs
+            updates = self._minibatch_updates(batch, proximal, [r for _, r in kept_groups], current_version)
+        trained = [g for g, _ in kept_groups]
+        rewards = torch.tensor([r for g in trained for r in g.rewards])
+        return {
+            **_merge(updates),
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "tokens": int(batch.completion_mask.sum()),
+            "sequences": int(kept.sum()),
+            "stale_sequences": int(stale_rows.sum()),
+            **verify_stats,
+            "t_train_s": time.perf_counter() - started,
+        }
+
+    def _drop_offpolicy(self, groups: list[Group], rows: list[range], keep: list[bool], proximal: torch.Tensor,
+                        batch: Batch) -> int:
+        """`train.max_offpolicy_gap`: take out of `keep` every kept group whose mean per-token
+        |proximal - behaviour| exceeds the threshold; returns how many."""
+        limit = self.config.max_offpolicy_gap
+        if limit is None:
+            return 0
+        mask = batch.completion_mask.bool()
+        gap = torch.where(mask, (proximal - batch.behaviour).abs(), torch.zeros_like(proximal))
+        dropped = 0
+        for i, (group, span) in enumerate(zip(groups, rows)):
+            if not keep[i]:
+                continue
+            tokens = mask[span.start:span.stop].sum()
+            mean_gap = float(gap[span.start:span.stop].sum() / tokens.clamp(min=1))
+            if mean_gap > limit:
+                keep[i] = False
+                dropped += 1
+                logger.info("group %s from %s left the step: off-policy gap %.3f > %.3f (v%d)", group.prompt_id,
+                            group.peer_id[-8:], mean_gap, limit, group.version)
+        return dropped
+
+    def _loss_options(self, batch_tokens: float) -> LossOptions:
+        config = self.config
+        return LossOptions(
+            loss_type=config.loss_type, is_mode=config.is_mode, is_level=config.is_level,
+            kl_estimator=config.kl_estimator, max_completion_length=config.max_new_tokens,
+            global_tokens=max(batch_tokens, 1.0) / max(1, config.minibatches),
+        )
+
+    def _objective(self, logprobs: torch.Tensor, proximal: torch.Tensor | None, batch: Batch,
+                   step_tokens: float, current_version: int) -> dict[str, float]:
+        """Loss of one (mini)batch and the optimizer update it makes; returns its stats."""
         ref = None
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                     temperature=temperature)
+                                     temperature=self.config.temperature)
         loss, stats = grpo_loss(
             logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
             clip_low=self.config.clip_low, clip_high=self.config.clip_high,
-            # decoupled PPO when some groups are stale: clip against the current policy, re-weight by truncated IS
-            proximal_logprobs=proximal if stale else None, is_cap=self.config.is_cap, ref_logprobs=ref,
-            kl_coef=self.config.kl_coef,
+            proximal_logprobs=proximal, is_cap=self.config.is_cap, ref_logprobs=ref, kl_coef=self.config.kl_coef,
+            options=self._loss_options(step_tokens),
         )
+        return {**stats, **self._update(loss, current_version)}
+
+    def _minibatch_updates(self, batch: Batch, proximal: torch.Tensor, rows: list[range],
+                           current_version: int) -> list[dict[str, float]]:
+        """`ppo_epochs` passes, each over the kept groups shuffled into `minibatches` minibatches."""
+        config = self.config
+        step_tokens = float(batch.completion_mask.sum())
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + current_version)
+        parts = min(config.minibatches, len(rows))
+        out = []
+        for _ in range(config.ppo_epochs):
+            order = torch.randperm(len(rows), generator=generator)
+            for chunk in torch.tensor_split(order, parts):
+                index = torch.tensor([i for g in chunk.tolist() for i in rows[g]], dtype=torch.long,
+                                     device=self.device)
+                sub, first = batch.select(index)
+                sub_proximal = proximal.index_select(0, index)[:, first:]
+                lp = token_logprobs(self.model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                    temperature=config.temperature)
+                out.append(self._objective(lp, sub_proximal, sub, step_tokens, current_version))
+        return out
+
+    def _update(self, loss: torch.Tensor, current_version: int) -> dict[str, float]:
+        """Backward, clip and step; no update (and a loud log) when the loss or gradient is not finite."""
         self.optimizer.zero_grad(set_to_none=True)
-        skipped = 0
         grad_norm = torch.tensor(float("nan"))
         finite_loss = bool(torch.isfinite(loss.detach()))
         if finite_loss:
@@ -274,36 +370,22 @@ class GRPOTrainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if finite_loss and bool(torch.isfinite(grad_norm)):
             self.optimizer.step()
-        else:
-            # A NaN or inf here would reach every weight through clip_grad_norm_ and AdamW: no update.
-            self.optimizer.zero_grad(set_to_none=True)
-            skipped = 1
-            self.skipped_nonfinite += 1
-            logger.error(
-                "step at v%d SKIPPED: loss %s, gradient norm %s (not finite); weights and optimizer state "
-                "unchanged (%d such steps so far); groups from peers %s",
-                current_version, float(loss.detach()), float(grad_norm), self.skipped_nonfinite,
-                sorted({g.peer_id[-8:] for g in groups}),
-            )
-        rewards = torch.tensor([r for g in groups for r in g.rewards])
-        return {
-            **stats,
-            "grad_norm": float(grad_norm),
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std(unbiased=False)),
-            "tokens": int(batch.completion_mask.sum()),
-            "sequences": int(kept.sum()),
-            "stale_sequences": int(stale_rows.sum()),
-            "skipped_nonfinite": skipped,
-            **verify_stats,
-            "t_train_s": time.perf_counter() - started,
-        }
+            return {"grad_norm": float(grad_norm), "skipped_nonfinite": 0}
+        # A NaN or inf here would reach every weight through clip_grad_norm_ and AdamW: no update.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_nonfinite += 1
+        logger.error(
+            "update at v%d SKIPPED: loss %s, gradient norm %s (not finite); weights and optimizer state unchanged "
+            "(%d such updates so far)", current_version, float(loss.detach()), float(grad_norm), self.skipped_nonfinite,
+        )
+        return {"grad_norm": float(grad_norm), "skipped_nonfinite": 1}
 
     def _idle_stats(self, verify_stats: dict[str, Any], started: float) -> dict[str, Any]:
         """Stats of a step that trained nothing (every group refused): same keys, zero values."""
         return {
             "loss": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0, "is_weight_mean": 1.0,
-            "grad_norm": 0.0, "reward_mean": 0.0, "reward_std": 0.0, "tokens": 0, "sequences": 0,
+            "is_truncated_frac": 0.0, "is_masked_frac": 0.0, "is_ess": 1.0, "offpolicy_gap_mean": 0.0,
+            "offpolicy_gap_max": 0.0, "updates": 0, "grad_norm": 0.0, "reward_mean": 0.0, "reward_std": 0.0, "tokens": 0, "sequences": 0,
             "stale_sequences": 0, "skipped_nonfinite": 0, **verify_stats,
             "t_train_s": time.perf_counter() - started,
         }
@@ -333,3 +415,18 @@ class GRPOTrainer:
         self.model.save_pretrained(out_dir, safe_serialization=True)
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
+
+
+def _merge(updates: list[dict[str, float]]) -> dict[str, Any]:
+    """One step's stats from its updates' stats: means, except the max gap and the count of skips."""
+    out: dict[str, Any] = {}
+    for key in updates[0]:
+        values = [u[key] for u in updates]
+        if key == "offpolicy_gap_max":
+            out[key] = max(values)
+        elif key == "skipped_nonfinite":
+            out[key] = int(sum(values))
+        else:
+            out[key] = sum(values) / len(values)
+    out["updates"] = len(updates)
+    return out

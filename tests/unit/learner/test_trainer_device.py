@@ -43,8 +43,8 @@ def make_groups(trainer: GRPOTrainer, *, n_groups: int = 3, group_size: int = 4,
 
 
 def test_cpu_step_matches_the_plain_cpu_recipe(tiny_model_dir: Path) -> None:
-    """device="cpu" trains exactly as the trainer did before it had a device: same loss, same weights."""
-    config = TrainConfig(device="cpu", lr=1e-3)
+    """device="cpu" with one update per step trains exactly as the plain recipe: same loss, same weights."""
+    config = TrainConfig(device="cpu", lr=1e-3, minibatches=1)
     trainer = GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED)
     assert trainer.device == torch.device("cpu")
     groups = make_groups(trainer)

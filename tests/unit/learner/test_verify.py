@@ -49,10 +49,10 @@ class Lab:
 
     def __init__(self, model_dir: Path, root: Path, *, verify: VerifyConfig | None = None, lr: float = 3e-4,
                  temperature: float = 1.0, top_p: float = 1.0, engine_dtype: torch.dtype = torch.float32,
-                 group_size: int = 8):
+                 group_size: int = 8, minibatches: int = 2):
         self.model_dir, self.root = model_dir, root
         self.config = TrainConfig(device="cpu", lr=lr, temperature=temperature, top_p=top_p, group_size=group_size,
-                                  threads=1)
+                                  threads=1, minibatches=minibatches)
         self.trainer = GRPOTrainer(model_dir, self.config, verify=verify or VerifyConfig(seed=0),
                                    weights_of=self.weights_of)
         self.engine = TransformersEngine(model_dir, device="cpu", threads=1, dtype=engine_dtype)
@@ -289,7 +289,9 @@ def test_honest_groups_pass_fresh_and_stale(tiny_model_dir: Path, tmp_path: Path
 
 def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model_dir: Path, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    lab = Lab(tiny_model_dir, tmp_path, verify=VerifyConfig(enabled=False))  # what the learner did before
+    # What the learner did before verification, with one update per step: the absurd logprobs make the
+    # PPO ratio infinite. (With several updates the decoupled objective caps their weight instead.)
+    lab = Lab(tiny_model_dir, tmp_path, verify=VerifyConfig(enabled=False), minibatches=1)
     honest = lab.generate(range(3), 1, seed=1)
     absurd = lab.group(honest[0].prompt_id, 1, honest[0].completions,
                        [[-1e30] * len(c) for c in honest[0].completions], honest[0].finish_reasons, "mallory",
@@ -308,7 +310,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model_dir: Pat
 
 def test_nonfinite_gradient_norm_skips_the_step(tiny_model_dir: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    lab = Lab(tiny_model_dir, tmp_path)
+    lab = Lab(tiny_model_dir, tmp_path, minibatches=1)
     groups = lab.generate(range(3), 1, seed=1)
     before = state(lab.trainer)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("nan")))
