@@ -14,6 +14,7 @@ work are planned, so peers of another learner in the same swarm never count.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,14 @@ class LearnerActivation:
         never delivered has no rate to lower (and gets no entry: fresh ids must not grow this)."""
         if peer in self.delivered:
             self.delivered[peer].add(0.0)
+
+    def inflight_target(self, groups_per_step: int, headroom: float) -> int | None:
+        """R for the next step plus, with `headroom`, the groups the learner trains while one lease is
+        out (Little's law: R / T_train groups a second for L_gen seconds). None until measured."""
+        t_train, l_gen = self.t_train.value, self.l_gen.value
+        if t_train is None or l_gen is None:
+            return None
+        return groups_per_step + math.ceil(headroom * groups_per_step * l_gen / max(t_train, 1e-3))
 
     def inputs(self) -> CapacityInputs | None:
         if self.t_train.value is None or self.t_train.samples < self.config.min_steps:

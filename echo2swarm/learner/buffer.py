@@ -4,7 +4,12 @@
     trainer loop: poll ready(step, n) ─► take(step, n) ─► one GRPO step ─► step + 1
 
 Staleness rule (docs/architecture.md §2): a group generated with version ``x`` may train step ``t``
-only if ``0 <= t - x <= S``. ``take`` discards every group that has fallen out of that window
+only if ``0 <= t - x <= S``. S is a bound, not a target: by default (``order="freshest"``) a step
+trains the newest groups first, so staleness stays as low as the rollouts in flight allow; the
+learner's intake keeps only as many in flight as keep it busy. ``order="oldest"`` trains the oldest
+first (fewest stale drops, staleness near S); ``order="hold"`` holds every group until it is exactly
+S versions old (before version ``first_version + S`` exists, the run's first version trains), which
+benchmarks use to measure the trust region at a forced staleness. ``take`` discards every group that has fallen out of that window
 (counted in ``dropped["stale"]``) and never returns one from the future (``x > t``: kept for a
 later step). The only other way a group leaves without being trained on is the size bound
 (``dropped["overflow"]``). So, at all times, ``added == taken + sum(dropped.values()) + len(buffer)``.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import collections
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["Group", "RolloutBuffer"]
 
@@ -58,11 +64,13 @@ class Group:
                 )
 
 
+Order = Literal["freshest", "oldest", "hold"]
+
+
 class RolloutBuffer:
     """Groups waiting for a GRPO step, bucketed by version.
 
-    Order is ``(version, arrival)``: ``take`` serves the oldest version first (it goes stale
-    first) and the overflow bound evicts in that same order.
+    ``take`` serves versions in ``order`` (ties by arrival); the overflow bound evicts the oldest.
 
     Example::
 
@@ -73,13 +81,18 @@ class RolloutBuffer:
         buffer.staleness_histogram            # Counter({1: 1})
     """
 
-    def __init__(self, staleness: int, max_groups: int = 100_000) -> None:
+    def __init__(self, staleness: int, max_groups: int = 100_000, order: Order = "freshest",
+                 first_version: int = 0) -> None:
+        if order not in ("freshest", "oldest", "hold"):
+            raise ValueError(f"order must be freshest, oldest or hold, got {order!r}")
         if staleness < 0:
             raise ValueError(f"staleness S must be >= 0, got {staleness}")
         if max_groups < 1:
             raise ValueError(f"max_groups must be >= 1, got {max_groups}")
         self.staleness = staleness
         self.max_groups = max_groups
+        self.order = order
+        self.first_version = first_version  # `hold`: the run's first version, trained until first_version + S exists
         self._by_version: dict[int, collections.deque[Group]] = {}
         self._size = 0
         self.added = 0
@@ -92,6 +105,14 @@ class RolloutBuffer:
 
     def _window(self, step: int) -> tuple[int, int]:
         return step - self.staleness, step
+
+    def _trainable(self, step: int) -> tuple[int, int]:
+        """The versions `take(step)` may return: the window, or in `hold` order only its oldest end."""
+        low, high = self._window(step)
+        if self.order == "hold":
+            held = max(low, self.first_version)
+            return held, held
+        return low, high
 
     def add(self, group: Group) -> None:
         """Store an accepted group; beyond ``max_groups`` evict the oldest (counted as overflow)."""
@@ -113,12 +134,18 @@ class RolloutBuffer:
         return group
 
     def count_usable(self, step: int) -> int:
-        """Groups that ``take(step, ...)`` could return: ``step - S <= version <= step``."""
+        """Groups inside the staleness window of ``step`` (``step - S <= version <= step``): what the
+        intake counts as committed work."""
         low, high = self._window(step)
         return sum(len(bucket) for version, bucket in self._by_version.items() if low <= version <= high)
 
+    def count_trainable(self, step: int) -> int:
+        """Groups ``take(step, ...)`` could return now (the window; in ``hold`` order, its oldest version)."""
+        low, high = self._trainable(step)
+        return sum(len(bucket) for version, bucket in self._by_version.items() if low <= version <= high)
+
     def ready(self, step: int, groups_needed: int) -> bool:
-        return self.count_usable(step) >= groups_needed
+        return self.count_trainable(step) >= groups_needed
 
     def discard_stale(self, step: int) -> int:
         """Drop every group with ``step - version > S`` (counted as stale); return how many."""
@@ -132,8 +159,8 @@ class RolloutBuffer:
         return discarded
 
     def take(self, step: int, groups_needed: int) -> list[Group]:
-        """Discard stale groups, then remove and return ``groups_needed`` usable groups, oldest
-        version first (ties by arrival). Groups from the future (``version > step``) stay.
+        """Discard stale groups, then remove and return ``groups_needed`` trainable groups, versions
+        in ``order`` (ties by arrival). Groups from the future (``version > step``) stay.
 
         Raises ValueError if fewer than ``groups_needed`` are usable; stale groups are discarded
         even then, since a step never goes back.
@@ -141,14 +168,15 @@ class RolloutBuffer:
         if groups_needed < 0:
             raise ValueError(f"groups_needed must be >= 0, got {groups_needed}")
         self.discard_stale(step)
-        usable = self.count_usable(step)
+        usable = self.count_trainable(step)
         if usable < groups_needed:
             raise ValueError(
-                f"only {usable} groups within staleness S={self.staleness} of step {step}, {groups_needed} needed"
+                f"only {usable} groups trainable at step {step} (S={self.staleness}, order {self.order}), "
+                f"{groups_needed} needed"
             )
-        low, high = self._window(step)
+        low, high = self._trainable(step)
         out: list[Group] = []
-        for version in sorted(v for v in self._by_version if low <= v <= high):
+        for version in sorted((v for v in self._by_version if low <= v <= high), reverse=self.order == "freshest"):
             while len(out) < groups_needed and version in self._by_version:
                 out.append(self._pop_left(version))
             if len(out) == groups_needed:

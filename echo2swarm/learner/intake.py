@@ -15,8 +15,10 @@ is on standby; it then gets `LeaseWait(standby=True)` and no work. Each complete
 reports the peer's delivered rollouts, the seconds it spent on them and the lease's latency to the
 gate's `on_delivery`, which the plan measures µ and L_gen by.
 
-Back-pressure: groups open in leases plus groups usable in the buffer never exceed
-(S + 1) · prompts_per_step, so peers cannot pile up work that will only go stale; beyond that
+Back-pressure: groups open in leases plus groups in the buffer's staleness window never exceed
+the in-flight cap: R + headroom · R · L_gen / T_train groups (what keeps the learner busy while a
+lease is out, measured by the gate; `train.inflight_headroom`), and never more than (S + 1) · R, so
+peers cannot pile up work that will only go stale and staleness stays well below S; beyond that
 a peer is told to wait (`LeaseWait`) and asks again shortly. A peer may ask to be held
 (`LeaseRequest.wait_s`, long polling): its request then waits, up to `leases.max_hold_s`, until
 a training step, a publish or an expired lease frees work (`work_freed`), and is answered the
@@ -61,6 +63,10 @@ class WorkGate(Protocol):
     def on_lapse(self, peer: str) -> None:
         """A lease of `peer` lapsed with nothing delivered."""
 
+    def inflight_target(self, groups_per_step: int, headroom: float) -> int | None:
+        """Groups to keep leased or buffered so the learner never waits, from measured lease latency
+        and step time; None until both are measured."""
+
 
 class Intake:
     def __init__(
@@ -92,7 +98,7 @@ class Intake:
         self.head_json = head_json        # the signed head of published_version, handed out with every reply
         self.done = False
         self.leases = LeaseManager(leases_config.timeout_s, leases_config.max_prompts, cursor, requeue or [])
-        self.buffer = RolloutBuffer(train.staleness)
+        self.buffer = RolloutBuffer(train.staleness, order=train.schedule, first_version=version)
         self.wake = asyncio.Event()  # a group arrived: the trainer may have its batch
         self._freed = asyncio.Event()  # work was freed: held lease requests look again (replaced on each pulse)
         self.accepted = 0
@@ -158,7 +164,12 @@ class Intake:
 
     @property
     def capacity(self) -> int:
-        return (self.train.staleness + 1) * self.train.prompts_per_step
+        """Groups leased or in the buffer's window at most: the in-flight target, capped by (S + 1) · R."""
+        bound = (self.train.staleness + 1) * self.train.prompts_per_step
+        if self.gate is None or self.train.schedule == "hold":  # hold needs every version of the window
+            return bound
+        target = self.gate.inflight_target(self.train.prompts_per_step, self.train.inflight_headroom)
+        return bound if target is None else max(self.train.prompts_per_step, min(bound, target))
 
     def budget(self, held_version: int | None = None) -> int:
         committed = self.leases.open_prompts() + self.buffer.count_usable(self.version)

@@ -46,7 +46,7 @@ def test_s0_takes_only_the_current_version() -> None:
 
 
 def test_window_is_inclusive_and_oldest_version_first() -> None:
-    buffer = RolloutBuffer(staleness=3)
+    buffer = RolloutBuffer(staleness=3, order="oldest")
     groups = [make_group(v) for v in (9, 7, 10, 7, 8, 6, 11)]  # window [7, 10]: 6 is stale, 11 future
     for group in groups:
         buffer.add(group)
@@ -63,11 +63,45 @@ def test_window_is_inclusive_and_oldest_version_first() -> None:
     assert conserved(buffer)
 
 
+def test_freshest_first_is_the_default() -> None:
+    buffer = RolloutBuffer(staleness=3)
+    groups = [make_group(v) for v in (9, 7, 10, 7, 8, 6, 11)]
+    for group in groups:
+        buffer.add(group)
+    # newest version first, ties by arrival: 10, 9, 8, 7 (2nd added); 6 stale, 11 from the future
+    assert buffer.take(10, 4) == [groups[2], groups[0], groups[4], groups[1]]
+    assert buffer.staleness_histogram == Counter({0: 1, 1: 1, 2: 1, 3: 1})
+    assert buffer.versions() == {7: 1, 11: 1}
+    assert buffer.take(11, 1) == [groups[6]]
+    assert buffer.take(11, 0) == [] and buffer.dropped == Counter({"stale": 2})  # the second 7 aged out
+    assert conserved(buffer)
+
+
+def test_hold_trains_only_groups_exactly_s_versions_old() -> None:
+    buffer = RolloutBuffer(staleness=2, order="hold", first_version=1)
+    for v in (1, 1, 2, 3, 3, 4):
+        buffer.add(make_group(v))
+    # before version 1 + S = 3 trains, the run's first version is what there is
+    assert buffer.count_trainable(1) == 2 and buffer.count_trainable(2) == 2
+    assert [g.version for g in buffer.take(2, 1)] == [1]
+    assert [g.version for g in buffer.take(3, 1)] == [1]  # staleness 2 = S
+    assert buffer.count_trainable(4) == 1 and buffer.count_usable(4) == 4
+    assert [g.version for g in buffer.take(4, 1)] == [2]
+    assert buffer.ready(5, 2) and [g.version for g in buffer.take(5, 2)] == [3, 3]
+    assert buffer.staleness_histogram == Counter({1: 1, 2: 4})
+    assert conserved(buffer)
+
+
+def test_unknown_order_refused() -> None:
+    with pytest.raises(ValueError, match="order"):
+        RolloutBuffer(staleness=1, order="newest")  # type: ignore[arg-type]
+
+
 def test_take_raises_when_not_ready_and_zero_is_fine() -> None:
     buffer = RolloutBuffer(staleness=1)
     buffer.add(make_group(3))
     buffer.add(make_group(1))
-    with pytest.raises(ValueError, match="1 groups within staleness S=1 of step 3, 2 needed"):
+    with pytest.raises(ValueError, match=r"only 1 groups trainable at step 3 \(S=1, order freshest\), 2 needed"):
         buffer.take(3, 2)
     assert buffer.dropped["stale"] == 1  # a step never goes back, so stale ones go even on failure
     assert buffer.take(3, 0) == []
@@ -78,7 +112,7 @@ def test_take_raises_when_not_ready_and_zero_is_fine() -> None:
 
 
 def test_overflow_drops_oldest_and_counts() -> None:
-    buffer = RolloutBuffer(staleness=5, max_groups=3)
+    buffer = RolloutBuffer(staleness=5, max_groups=3, order="oldest")
     a, b, c, d = make_group(2), make_group(1), make_group(2), make_group(3)
     for group in (a, b, c, d):
         buffer.add(group)
@@ -122,8 +156,8 @@ def test_add_rejects_inconsistent_groups() -> None:
 class ReferenceBuffer:
     """The spec, written as plainly as possible, to check the real buffer against."""
 
-    def __init__(self, staleness: int, max_groups: int) -> None:
-        self.s, self.max = staleness, max_groups
+    def __init__(self, staleness: int, max_groups: int, order: str) -> None:
+        self.s, self.max, self.order = staleness, max_groups, order
         self.items: list[tuple[int, int, Group]] = []  # (version, arrival, group)
         self.arrival = 0
         self.dropped: Counter[str] = Counter()
@@ -136,13 +170,19 @@ class ReferenceBuffer:
             self.dropped["overflow"] += 1
 
     def usable(self, step: int) -> list[tuple[int, int, Group]]:
-        return sorted((x for x in self.items if 0 <= step - x[0] <= self.s), key=lambda x: x[:2])
+        return [x for x in self.items if 0 <= step - x[0] <= self.s]
+
+    def trainable(self, step: int) -> list[tuple[int, int, Group]]:
+        if self.order == "hold":  # first_version 0 in this test
+            return sorted((x for x in self.items if x[0] == max(step - self.s, 0)), key=lambda x: x[1])
+        newest = self.order == "freshest"
+        return sorted(self.usable(step), key=lambda x: (-x[0] if newest else x[0], x[1]))
 
     def take(self, step: int, n: int) -> list[Group] | None:
         stale = [x for x in self.items if step - x[0] > self.s]
         self.dropped["stale"] += len(stale)
         self.items = [x for x in self.items if step - x[0] <= self.s]
-        usable = self.usable(step)
+        usable = self.trainable(step)
         if len(usable) < n:
             return None
         chosen = usable[:n]
@@ -151,13 +191,14 @@ class ReferenceBuffer:
         return [x[2] for x in chosen]
 
 
+@pytest.mark.parametrize("order", ["freshest", "oldest", "hold"])
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 @pytest.mark.parametrize("seed", range(8))
-def test_randomised_add_take_invariants(staleness: int, seed: int) -> None:
+def test_randomised_add_take_invariants(staleness: int, seed: int, order: str) -> None:
     rng = random.Random(seed * 100 + staleness)
     max_groups = rng.choice([5, 12, 100_000])
-    buffer = RolloutBuffer(staleness=staleness, max_groups=max_groups)
-    reference = ReferenceBuffer(staleness, max_groups)
+    buffer = RolloutBuffer(staleness=staleness, max_groups=max_groups, order=order)  # type: ignore[arg-type]
+    reference = ReferenceBuffer(staleness, max_groups, order)
     step = 0
     added: list[Group] = []
     returned: list[Group] = []
@@ -174,8 +215,9 @@ def test_randomised_add_take_invariants(staleness: int, seed: int) -> None:
             added.append(group)
         elif op < 0.9:
             n = rng.randint(0, 4)
-            usable = buffer.count_usable(step)
-            assert usable == len(reference.usable(step))
+            assert buffer.count_usable(step) == len(reference.usable(step))
+            usable = buffer.count_trainable(step)
+            assert usable == len(reference.trainable(step))
             assert buffer.ready(step, n) == (usable >= n)
             expected = reference.take(step, n)
             if expected is None:
@@ -188,7 +230,7 @@ def test_randomised_add_take_invariants(staleness: int, seed: int) -> None:
             for group in got:
                 assert 0 <= step - group.version <= staleness  # never stale, never from the future
                 histogram[step - group.version] += 1
-            assert [g.version for g in got] == sorted(g.version for g in got)
+            assert [g.version for g in got] == sorted((g.version for g in got), reverse=order == "freshest")
             returned += got
             if rng.random() < 0.7:
                 step += 1  # the learner trained a step

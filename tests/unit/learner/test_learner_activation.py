@@ -108,3 +108,14 @@ def test_configured_t_bcast_overrides_the_measurement():
     assert act.t_bcast() == 0.7
     assert LearnerActivation(ActivationConfig(), TrainConfig(), t_bcast=lambda: 0.2).t_bcast() == 0.2
     assert LearnerActivation(ActivationConfig(), TrainConfig()).t_bcast() == 0.0
+
+
+def test_inflight_target_from_measured_latency_and_step_time():
+    act = _loop()  # R = 8 prompts per step
+    assert act.inflight_target(8, 1.5) is None
+    act.on_step(0.5)
+    assert act.inflight_target(8, 1.5) is None  # no lease delivered yet
+    act.on_delivery("a", 32, 0.8, latency=1.0)
+    # 8 for the next step + 1.5 x 8 groups/step x (1.0 s / 0.5 s per step) = 8 + 24
+    assert act.inflight_target(8, 1.5) == 32
+    assert act.inflight_target(8, 1.0) == 24

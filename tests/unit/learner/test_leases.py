@@ -172,6 +172,9 @@ class Recorder:
     def on_lapse(self, peer: str) -> None:
         self.seen.append((peer, 0, 0.0, None))
 
+    def inflight_target(self, groups_per_step: int, headroom: float) -> int | None:
+        return None
+
 
 def test_a_peer_working_ahead_is_measured_by_its_work_not_by_how_long_it_held_the_lease():
     now, seen = [0.0], []
@@ -186,3 +189,30 @@ def test_a_peer_working_ahead_is_measured_by_its_work_not_by_how_long_it_held_th
     now[0] = 3.0
     intake._report_delivery(A, {"l4": (2.0, 16)})
     assert seen == [(A, 16, 1.0, 1.0), (A, 16, 1.0, 1.5), (A, 32, 1.0, 1.0)]
+
+
+class Target(Recorder):
+    """A gate whose measured in-flight target is fixed."""
+
+    def __init__(self, target: int | None):
+        super().__init__([])
+        self.target = target
+
+    def inflight_target(self, groups_per_step: int, headroom: float) -> int | None:
+        return self.target
+
+
+def test_in_flight_cap_follows_the_measured_target_within_the_staleness_bound() -> None:
+    # S = 6, R = 2: the bound is (S + 1) R = 14 groups
+    assert make_intake(staleness=6).capacity == 14  # no gate: the bound
+    assert make_intake(staleness=6, gate=Target(None)).capacity == 14  # not measured yet
+    assert make_intake(staleness=6, gate=Target(5)).capacity == 5
+    assert make_intake(staleness=6, gate=Target(100)).capacity == 14
+    assert make_intake(staleness=6, gate=Target(1)).capacity == 2  # never below one step's groups
+    assert make_intake(staleness=6, gate=Target(5), schedule="hold").capacity == 14  # hold needs the window
+    intake = make_intake(staleness=6, gate=Target(3))
+    first = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A))
+    second = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), B))
+    assert len(first.prompts) == 2 and len(second.prompts) == 1  # 3 in flight, then the cap
+    third = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), B))
+    assert third.reason == "enough work in flight"
