@@ -201,6 +201,9 @@ class LearnerService:
             await self._train(stop, started)
         finally:
             watcher.cancel()
+        # Training is over or the daemon is stopping (a crash raised above, and the supervisor reruns
+        # us with the log open): finish the trackers now, as the daemon leaves with os._exit.
+        await asyncio.to_thread(self.metrics.close)
 
     async def _train(self, stop: asyncio.Event, started: float) -> None:
         assert self.intake is not None and self.metrics is not None
