@@ -1,0 +1,242 @@
+#!/usr/bin/env python
+"""Does staleness cost learning? GRPO on arith in a real local swarm, swept over the bound S.
+
+    python scripts/bench_staleness.py [--staleness 0,1,2,4,6,11] [--seeds 2] [--steps 300]
+                                      [--forced 2,6] [--baseline] [--model DIR] [--png docs/bench_staleness.png]
+
+Every run is the demo's swarm (bootstrap, learner, 2 rollout peers on the transformers engine, separate
+processes on 127.0.0.1) training the same warmed-up tiny model (copied into each run) for the same
+number of steps with the same batch (16 prompts x 8 completions): equal steps, equal rollouts trained.
+
+Modes, each over every S and seed:
+- ``new``: today's defaults (freshest-first schedule, in-flight cap from the capacity model, 2
+  minibatch updates a step with the decoupled clip).
+- ``forced`` (``--forced``): the same objective, but the learner holds every group until it is
+  exactly S versions old (``train.schedule = "hold"``): the trust region alone against staleness S.
+- ``old`` (``--baseline``): the defaults before the staleness work (oldest-first schedule, in-flight
+  (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check.
+
+Printed per run: last-50-step mean reward, greedy accuracy on held-out prompts before and after,
+observed staleness (mean, share at S), groups dropped as stale, rollouts generated. Then a table
+per mode of the seed-averaged last-50 reward and its ratio to S = 0 of the same mode, and a PNG of
+the 20-step mean reward against the step, one line per S.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OLD_DEFAULTS = {"schedule": "oldest", "minibatches": 1, "inflight_headroom": 10.0}
+LAST = 50
+
+
+def learner_toml(run: Path, model: Path, key: Path, staleness: int, seed: int, steps: int,
+                 overrides: dict[str, Any]) -> Path:
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in overrides.items())
+    path = run / "learner.toml"
+    path.write_text(
+        'role = "learner"\n'
+        f'[publish]\nmodel = "{model}"\npolicy_key = "{key}"\n'
+        f'[train]\ntask = "arith"\nsteps = {steps}\nstaleness = {staleness}\nseed = {seed}\n'
+        "prompts_per_step = 16\ngroup_size = 8\nmax_new_tokens = 4\nlr = 3e-4\nthreads = 1\n"
+        f"checkpoint_every = 1000\n{extra}"
+        '[leases]\nmax_prompts = 8\ntimeout_s = 20.0\n'
+    )
+    return path
+
+
+def run_swarm(run: Path, model: Path, staleness: int, seed: int, steps: int, overrides: dict[str, Any],
+              peers: int, timeout: float) -> list[dict[str, Any]]:
+    from echo2swarm.learner.metrics import read_metrics
+    from echo2swarm.runtime.processes import DaemonProcess, loopback_args
+    from echo2swarm.wire.signing import PolicyKey
+
+    run.mkdir(parents=True, exist_ok=True)
+    key = run / "learner.key"
+    PolicyKey.generate().save(key)
+    common = loopback_args(f"stale-{run.name}", log_level="WARNING")
+    daemons: list[DaemonProcess] = []
+    metrics = run / "learner" / "run" / "metrics.jsonl"
+    started = time.monotonic()
+    try:
+        boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run / "bootstrap")
+        daemons.append(boot.start())
+        boot.wait_ready(60)
+        join = ["--initial-peers", boot.maddr]
+        toml = learner_toml(run, model, key, staleness, seed, steps, overrides)
+        learner = DaemonProcess("learner", [*common, *join, "--config", str(toml)], run / "learner")
+        daemons.append(learner.start())
+        for i in range(peers):
+            daemons.append(DaemonProcess(
+                f"rollout-{i + 1}", [*common, *join, "--role", "rollout", "--price", f"{0.2 + 0.1 * i:.2f}",
+                                     "--trust", f"{key}.pub"],
+                run / f"rollout-{i + 1}", env={"ECHO2SWARM_ENGINE__TYPE": "transformers", "OMP_NUM_THREADS": "1",
+                                               "ECHO2SWARM_ENGINE__THREADS": "1"},
+            ).start())
+        learner.wait_ready(120)
+        last_report = 0.0
+        while learner.running():
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"{run.name}: training did not finish within {timeout:.0f} s")
+            if time.monotonic() - last_report > 15:
+                records = read_metrics(metrics)
+                print(f"    {run.name}: step {records[-1]['step'] if records else 0}/{steps}", flush=True)
+                last_report = time.monotonic()
+            time.sleep(0.5)
+        records = read_metrics(metrics)
+        if len(records) < steps:
+            raise RuntimeError(f"{run.name}: the learner stopped after {len(records)} of {steps} steps:\n"
+                               f"{learner.log_tail(20)}")
+        return records
+    finally:
+        for daemon in reversed(daemons):
+            daemon.terminate()
+
+
+def accuracy(model_dir: Path) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from echo2swarm.models.warmup import greedy_accuracy
+    from echo2swarm.tasks.registry import get_task
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return greedy_accuracy(model, tokenizer, get_task("arith", seed=0), max_new_tokens=4)
+
+
+def summarise(records: list[dict[str, Any]], staleness: int) -> dict[str, Any]:
+    ages = [a for r in records for a in r.get("staleness", [])]
+    end = records[-1]
+    return {
+        "last50": statistics.fmean(r["reward_mean"] for r in records[-LAST:]),
+        "first20": statistics.fmean(r["reward_mean"] for r in records[:20]),
+        "staleness_mean": statistics.fmean(ages) if ages else 0.0,
+        "at_bound": sum(a == staleness for a in ages) / max(1, len(ages)),
+        "dropped_stale": end["dropped"].get("stale", 0),
+        "accepted": end["accepted"],
+        "clip_frac": statistics.fmean(r.get("clip_frac", 0.0) for r in records),
+        "gap": statistics.fmean(r.get("offpolicy_gap_mean", 0.0) for r in records),
+        "bubble": end["bubble_ratio_total"],
+        "curve": [r["reward_mean"] for r in records],
+    }
+
+
+def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("new", "forced", "old") if results.get(m)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for s, runs in sorted(results[mode].items()):
+            curves = [r["curve"] for r in runs]
+            n = min(len(c) for c in curves)
+            mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
+            smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(n)]
+            ax.plot(range(1, n + 1), smooth, label=f"S = {s}")
+        ax.set_title({"new": "defaults (freshest-first, 2 updates/step)", "forced": "staleness forced to S (hold)",
+                      "old": "before (oldest-first, 1 update/step)"}[mode])
+        ax.set_xlabel("step")
+        ax.set_ylabel("mean reward (20-step mean, seed average)")
+        ax.set_ylim(0, 1)
+        ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--staleness", default="0,1,2,4,6,11")
+    parser.add_argument("--forced", default="2,6", help="S values for the forced-staleness mode ('' for none); "
+                        "S = 0 forced is the same run as S = 0")
+    parser.add_argument("--baseline", action="store_true", help="also run the old defaults at every S")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--model", type=Path, default=None, help="a warmed-up model dir (default: warm one up)")
+    parser.add_argument("--run-dir", type=Path, default=None)
+    parser.add_argument("--png", type=Path, default=Path("docs/bench_staleness.png"))
+    parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    args = parser.parse_args()
+
+    from echo2swarm.runtime.logging import setup_logging
+
+    setup_logging("WARNING")
+    root = args.run_dir or Path(tempfile.mkdtemp(prefix="bench-staleness-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from echo2swarm.cli._common import WARMUP_ACCURACY, WARMUP_STEPS
+        from echo2swarm.models.tiny import write_tiny_model
+
+        model = root / "model"
+        if not (model / "config.json").exists():
+            print(f"warming up a tiny model on arith in {model} ...", flush=True)
+            write_tiny_model(model, seed=0, task="arith", warmup_steps=WARMUP_STEPS, warmup_accuracy=WARMUP_ACCURACY)
+    start_accuracy = accuracy(model)
+    print(f"model {model}: greedy accuracy {start_accuracy:.3f} (held-out arith)", flush=True)
+
+    sweep = [int(s) for s in args.staleness.split(",") if s]
+    forced = [int(s) for s in args.forced.split(",") if s]
+    plans: list[tuple[str, int, dict[str, Any]]] = [("new", s, {}) for s in sweep]
+    plans += [("forced", s, {"schedule": "hold"}) for s in forced if s > 0]
+    if args.baseline:
+        plans += [("old", s, OLD_DEFAULTS) for s in sweep]
+    results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    print(f"{'run':<22} {'last50':>7} {'first20':>7} {'acc':>13} {'stale mean':>10} {'at S':>6} "
+          f"{'dropped':>7} {'clip':>6} {'gap':>6} {'bubble':>6} {'wall':>6}", flush=True)
+    for seed in range(args.seeds):
+        for mode, s, overrides in plans:
+            name = f"{mode}-s{s}-seed{seed}"
+            run = root / name
+            shutil.rmtree(run, ignore_errors=True)
+            run_model = run / "model"
+            shutil.copytree(model, run_model)
+            t0 = time.monotonic()
+            records = run_swarm(run, run_model, s, seed, args.steps, overrides, args.peers, args.timeout)
+            summary = summarise(records, s)
+            summary["accuracy"] = accuracy(run / "learner" / "run" / "final")
+            summary["wall_s"] = time.monotonic() - t0
+            results.setdefault(mode, {}).setdefault(s, []).append(summary)
+            print(f"{name:<22} {summary['last50']:7.3f} {summary['first20']:7.3f} "
+                  f"{start_accuracy:5.3f}->{summary['accuracy']:5.3f} {summary['staleness_mean']:10.2f} "
+                  f"{summary['at_bound']:6.0%} {summary['dropped_stale']:7d} {summary['clip_frac']:6.3f} "
+                  f"{summary['gap']:6.3f} {summary['bubble']:6.3f} {summary['wall_s']:5.0f}s", flush=True)
+            shutil.rmtree(run_model, ignore_errors=True)
+
+    zero = statistics.fmean(r["last50"] for r in results["new"][0]) if 0 in results.get("new", {}) else None
+    print(f"\nlast-{LAST}-step mean reward, averaged over {args.seeds} seeds; ratio to S = 0 of the defaults")
+    print(f"{'mode':<8} {'S':>3} {'last50':>7} {'ratio':>6} {'stale mean':>10} {'acc after':>9} {'dropped':>7}")
+    for mode in ("new", "forced", "old"):
+        for s, runs in sorted(results.get(mode, {}).items()):
+            mean = statistics.fmean(r["last50"] for r in runs)
+            ratio = f"{mean / zero:6.2f}" if zero else "     -"
+            print(f"{mode:<8} {s:>3} {mean:7.3f} {ratio} {statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
+                  f"{statistics.fmean(r['accuracy'] for r in runs):9.3f} "
+                  f"{statistics.fmean(r['dropped_stale'] for r in runs):7.0f}")
+    plot(results, args.png)
+    print(f"\nplot: {args.png}")
+    if args.json:
+        args.json.write_text(json.dumps({m: {str(s): [{k: v for k, v in r.items() if k != 'curve'} for r in runs]
+                                             for s, runs in by_s.items()} for m, by_s in results.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
