@@ -1,12 +1,14 @@
 """The daemon every participant runs; the role only changes which service sits in the middle.
 
-    start: overlay (DHT + p2pd) ─► stores, announcer ─► role service ─► chunk server ─► daemon.json
+    start: overlay (DHT + p2pd) ─► stores, announcer ─► role service ─► HTTP server ─► daemon.json, banner
     run:   supervise the role service (restart with back-off if it crashes) and the announcer
-    stop:  SIGTERM/SIGINT ─► role service, announce `stopping`, chunk server, DHT node, p2pd
+    stop:  SIGTERM/SIGINT ─► role service, announce `stopping`, HTTP server, DHT node, p2pd
 
 Back-pressure: the follower fetches one version at a time with a bounded number of chunks in
-flight; the chunk server caps concurrent responses. `daemon.json` in the state dir tells tests
-and tools the peer id, multiaddrs and chunk URL without parsing logs.
+flight; the chunk server caps concurrent responses. Every daemon runs one HTTP server: /metrics
+(daemon/prometheus.py) and /v1/info always, chunks for other peers unless it is a bootstrap or
+`--no-chunk-server`. `daemon.json` in the state dir tells tests and tools the peer id, multiaddrs,
+chunk URL and HTTP URL without parsing logs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import aiohttp
 from echo2swarm import __version__
 from echo2swarm.config.loading import AnyDaemonConfig, dump_config
 from echo2swarm.config.models import LearnerConfig, RelayConfig, RolloutConfig
+from echo2swarm.daemon.banner import start_banner
 from echo2swarm.daemon.context import BootstrapService, DaemonContext, RoleService
+from echo2swarm.daemon.prometheus import daemon_registry, metrics_route
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
 from echo2swarm.policy.limiter import RateLimiter
@@ -75,7 +79,8 @@ class Daemon:
         self.config = config
         self.stop_event = asyncio.Event()
         self.started_at = time.time()
-        self.chunk_url: str | None = None
+        self.chunk_url: str | None = None  # where peers fetch chunks; None without a chunk server
+        self.http_url: str | None = None   # the daemon's HTTP server (/metrics, /v1/info), chunks or not
         self.server: ChunkServer | None = None
         self.ctx: DaemonContext | None = None
         self.service: RoleService | None = None
@@ -143,6 +148,7 @@ class Daemon:
             "swarm": self.config.overlay.swarm,
             "maddrs": self.maddrs,
             "chunk_url": self.chunk_url,
+            "http_url": self.http_url,
             "pid": os.getpid(),
             "software": __version__,
         }, indent=2))
@@ -190,35 +196,36 @@ class Daemon:
             announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
             self.ctx = DaemonContext(overlay, chunks, versions, session, inflight, announcer)
             self.service = service = make_service(config, self.ctx)
+            self.chunk_service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit),
+                                              inflight, plan=service.signed_plan)
             if config.role != "bootstrap":
                 from echo2swarm.policy.p2p import serve_p2p
 
-                self.chunk_service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit),
-                                                  inflight, plan=service.signed_plan)
                 await serve_p2p(overlay, self.chunk_service)  # the fallback transport, always on
-                if config.chunk_server.enabled:
-                    self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes,
-                                              routes=service.http_routes())
-                    port = await self.server.start()
-                    host = config.chunk_server.host
-                    if host in ("0.0.0.0", "::", ""):
-                        host = _pick_host(self.maddrs)
-                    self.chunk_url = config.chunk_server.public_url or f"http://{host}:{port}"
+            # Every daemon runs one HTTP server (/metrics, /v1/info, the role's pages); it serves the
+            # swarm chunks only where there are chunks to serve and the chunk server is on.
+            serves_chunks = config.role != "bootstrap" and config.chunk_server.enabled
+            # The learner's step records (its MetricsLog, there once it started) feed its step metrics.
+            learner: Any = service if isinstance(config, LearnerConfig) else None
+            registry = daemon_registry(self.info, versions.versions, lambda: learner.metrics if learner else None)
+            routes = [*service.http_routes(), metrics_route(registry)]
+            self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes, routes=routes,
+                                      chunks=serves_chunks)
+            port = await self.server.start()
+            host = config.chunk_server.host
+            if host in ("0.0.0.0", "::", ""):
+                host = _pick_host(self.maddrs)
+            self.http_url = config.chunk_server.public_url or f"http://{host}:{port}"
+            self.chunk_url = self.http_url if serves_chunks else None
             overlay.advertise(self.chunk_url, self.maddrs)  # the learner's signed heads carry it
             # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
             tasks = [asyncio.create_task(announcer.run(self.stop_event))]
             await service.start()
             tasks.append(asyncio.create_task(self._supervise(service)))
             self._write_ready_file()
-            print(
-                f"echo2swarm {config.role} {overlay.peer_id} is up in swarm '{config.overlay.swarm}'"
-                + (f"; chunks at {self.chunk_url}" if self.chunk_url else ""),
-                flush=True,
-            )
-            if self.maddrs:
-                print("To join this swarm, pass any of these to --initial-peers:", flush=True)
-                for addr in self.maddrs:
-                    print(f"  {addr}", flush=True)
+            for line in start_banner(config, overlay.peer_id, self.maddrs, self.chunk_url, self.http_url,
+                                     [path for path, _ in routes]):
+                print(line, flush=True)
             await self.stop_event.wait()
             logger.info("stopping %s daemon", config.role)
             return EXIT_OK

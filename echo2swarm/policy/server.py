@@ -7,6 +7,9 @@
     GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
     GET <extra routes>                 -> what the daemon adds (`routes=`): /metrics, the live page
 
+With `chunks=False` (a bootstrap daemon, or `--no-chunk-server`) only /v1/info and the extra
+routes are served: the daemon's own HTTP server for its operator, which serves the swarm nothing.
+
 `ChunkService` is the part both transports share: what may be served, the budgets, the upload
 limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
 
@@ -204,9 +207,11 @@ class ChunkServer:
         info: Callable[[], dict[str, Any]] = dict,
         head: Callable[[], bytes | None] = lambda: None,
         routes: Sequence[tuple[str, Handler]] = (),
+        chunks: bool = True,
     ):
         self.service = service
         self.routes = tuple(routes)  # extra GET routes (path, handler), answered from the control budget
+        self.chunks = chunks  # False: /v1/info and the extra routes only (bootstrap, --no-chunk-server)
         self.config = service.config
         self.info = info
         self.head = head
@@ -220,10 +225,11 @@ class ChunkServer:
         app = web.Application(client_max_size=1024, middlewares=[self._guard])
         # allow_head=False: a HEAD answered by these handlers would still stream a body.
         app.router.add_get("/v1/info", self._info, allow_head=False)
-        app.router.add_get("/v1/head", self._head, allow_head=False)
-        app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
-        app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
-        app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False, name="chunk")
+        if self.chunks:
+            app.router.add_get("/v1/head", self._head, allow_head=False)
+            app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
+            app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
+            app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False, name="chunk")
         for path, handler in self.routes:
             app.router.add_get(path, handler, allow_head=False)
         return app
