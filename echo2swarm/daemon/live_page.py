@@ -26,14 +26,17 @@ import re
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from echo2swarm.config.rl import TrainConfig
+from echo2swarm.learner.activation_loop import LearnerActivation
+from echo2swarm.learner.broadcast_tracker import BroadcastTracker
+from echo2swarm.learner.intake import Intake
+from echo2swarm.learner.metrics import MetricsLog
+from echo2swarm.learner.publisher import PublishedVersion
 from echo2swarm.policy.server import Handler
-
-if TYPE_CHECKING:
-    from echo2swarm.daemon.learner_service import LearnerService
 
 STEPS_LIMIT = 500  # most step records in one /v1/steps answer (the metrics log keeps the last 2000)
 MAX_PEER_ROWS = 512  # most peers in one /v1/peers answer (overlay.max_cards may allow more cards)
@@ -50,7 +53,19 @@ _COUNT = re.compile(r"0|[1-9][0-9]{0,12}")
 _JSON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
 
-def routes(service: LearnerService) -> list[tuple[str, Handler]]:
+class LearnerView(Protocol):
+    """What the page reads of the learner's service (daemon/learner_service.py), never writes."""
+
+    broadcast: BroadcastTracker
+    activation: LearnerActivation
+    intake: Intake | None
+    published: PublishedVersion | None
+    metrics: MetricsLog | None
+    train: TrainConfig
+    steps_done: int
+
+
+def routes(service: LearnerView) -> list[tuple[str, Handler]]:
     """GET routes the learner's HTTP server adds: the page and the JSON it reads besides /v1/info."""
     page = LivePage(service)
     return [("/", page.index), ("/v1/peers", page.peers), ("/v1/steps", page.steps)]
@@ -59,7 +74,7 @@ def routes(service: LearnerService) -> list[tuple[str, Handler]]:
 class LivePage:
     """>>> page = LivePage(service); app.router.add_get("/v1/steps", page.steps)"""
 
-    def __init__(self, service: LearnerService, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, service: LearnerView, clock: Callable[[], float] = time.monotonic):
         self.service = service
         self.clock = clock
         self.html = resources.files("echo2swarm.daemon").joinpath("static/live.html").read_bytes()
@@ -118,7 +133,7 @@ def step_view(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def peer_view(service: LearnerService) -> dict[str, Any]:
+def peer_view(service: LearnerView) -> dict[str, Any]:
     """The peers the learner sees: its broadcast tracker's latest cards (at most overlay.max_cards),
     each with what the learner itself knows of it (measured µ, groups delivered, activation, ban)."""
     cards = list(service.broadcast.cards)
