@@ -2,19 +2,22 @@
 """Does staleness cost learning? GRPO on arith in a real local swarm, swept over the bound S.
 
     python scripts/bench_staleness.py [--staleness 0,1,2,4,6,11] [--seeds 2] [--steps 300]
-                                      [--forced 2,6] [--baseline] [--model DIR] [--png docs/bench_staleness.png]
+                                      [--forced 0,2,6] [--baseline] [--model DIR] [--png docs/bench_staleness.png]
 
 Every run is the demo's swarm (bootstrap, learner, 2 rollout peers on the transformers engine, separate
 processes on 127.0.0.1) training the same warmed-up tiny model (copied into each run) for the same
 number of steps with the same batch (16 prompts x 8 completions): equal steps, equal rollouts trained.
 
 Modes, each over every S and seed:
-- ``new``: today's defaults (freshest-first schedule, in-flight cap from the capacity model, 2
-  minibatch updates a step with the decoupled clip).
-- ``forced`` (``--forced``): the same objective, but the learner holds every group until it is
-  exactly S versions old (``train.schedule = "hold"``): the trust region alone against staleness S.
+- ``new``: today's defaults in the swarm (freshest-first schedule, in-flight cap from the capacity
+  model, 2 minibatch updates a step with the decoupled clip).
+- ``forced`` (``--forced``): the trust region alone, with staleness forced to exactly S: in one
+  process, the real trainer (GRPOTrainer, today's defaults) and the real transformers engine; at
+  step t the engine holds version max(1, t - S), so after the first S steps every group is exactly
+  S versions old. Same task, model, batch and seeds as the swarm runs.
 - ``old`` (``--baseline``): the defaults before the staleness work (oldest-first schedule, in-flight
-  (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check.
+  (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check; with
+  ``--forced``, also ``forced-old``: forced staleness with one update a step.
 
 Printed per run: last-50-step mean reward, greedy accuracy on held-out prompts before and after,
 observed staleness (mean, share at S), groups dropped as stale, rollouts generated. Then a table
@@ -37,7 +40,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 OLD_DEFAULTS = {"schedule": "oldest", "minibatches": 1, "inflight_headroom": 10.0}
+OLD_OBJECTIVE = {"minibatches": 1}
+TRAIN = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4, "threads": 1}
 LAST = 50
+MODES = ("new", "forced", "old", "forced-old")
 
 
 def learner_toml(run: Path, model: Path, key: Path, staleness: int, seed: int, steps: int,
@@ -103,6 +109,67 @@ def run_swarm(run: Path, model: Path, staleness: int, seed: int, steps: int, ove
             daemon.terminate()
 
 
+def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
+               overrides: dict[str, Any]) -> list[dict[str, Any]]:
+    """Real trainer + real engine in one process; every group exactly `staleness` versions old
+    once t > staleness (before that, version 1)."""
+    import random
+
+    import torch
+
+    from echo2swarm.config.rl import TrainConfig, VerifyConfig
+    from echo2swarm.learner.buffer import Group
+    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.rollout.engines import SamplingParams
+    from echo2swarm.rollout.engines.hf import TransformersEngine
+    from echo2swarm.tasks.registry import get_task
+
+    torch.set_num_threads(1)
+    config = TrainConfig(**TRAIN, staleness=max(staleness, 0), seed=seed, **overrides)
+    # Verification checks peers; here the engine is our own, so it is off (it changes nothing trained).
+    trainer = GRPOTrainer(model, config, verify=VerifyConfig(enabled=False))
+    engine = TransformersEngine(model, device="cpu", threads=1)
+    task = get_task("arith", seed=seed)
+    rng = random.Random(seed)
+    snapshots: dict[int, Path] = {1: model}
+    engine_version, cursor, records = 1, 0, []
+    started = time.monotonic()
+    for t in range(1, steps + 1):
+        source = max(1, t - staleness)
+        if engine_version != source:
+            engine.load_weights(snapshots[source])
+            engine_version = source
+        prompts = [task.prompt(cursor + i) for i in range(config.prompts_per_step)]
+        cursor += len(prompts)
+        params = SamplingParams(n=config.group_size, max_new_tokens=config.max_new_tokens,
+                                temperature=config.temperature, seed=rng.getrandbits(62))
+        groups = []
+        for prompt, completions in zip(prompts, engine.generate([p.text for p in prompts], params)):
+            groups.append(Group(
+                prompt_id=prompt.prompt_id, version=source, prompt_ids=trainer.encode_prompt(prompt.text),
+                completions=[c.token_ids for c in completions], behaviour_logprobs=[c.logprobs for c in completions],
+                rewards=[float(task.reward(prompt.prompt_id, trainer.decode(c.token_ids), c.finish_reason == "stop"))
+                         for c in completions],
+                finish_reasons=[c.finish_reason for c in completions],
+            ))
+        stats = trainer.step(groups, t)
+        stats.pop("refused_groups", None)
+        version_dir = run / f"v{t + 1}"
+        version_dir.mkdir(parents=True, exist_ok=True)
+        (version_dir / "model.safetensors").write_bytes(trainer.weights_bytes())
+        snapshots[t + 1] = version_dir
+        for old in [v for v in snapshots if v < t + 1 - staleness and v != 1]:
+            shutil.rmtree(snapshots.pop(old), ignore_errors=True)
+        records.append({**stats, "step": t, "staleness": [t - source] * len(groups), "dropped": {},
+                        "accepted": t * len(groups), "bubble_ratio_total": 0.0,
+                        "time_s": time.monotonic() - started})
+        if t % 50 == 0:
+            print(f"    {run.name}: step {t}/{steps}", flush=True)
+    engine.close()
+    trainer.save_model_dir(run / "learner" / "run" / "final")
+    return records
+
+
 def accuracy(model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -138,8 +205,8 @@ def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in ("new", "forced", "old") if results.get(m)]
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+    modes = [m for m in MODES if results.get(m)]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         for s, runs in sorted(results[mode].items()):
             curves = [r["curve"] for r in runs]
@@ -147,8 +214,9 @@ def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None
             mean = [statistics.fmean(c[i] for c in curves) for i in range(n)]
             smooth = [statistics.fmean(mean[max(0, i - 19):i + 1]) for i in range(n)]
             ax.plot(range(1, n + 1), smooth, label=f"S = {s}")
-        ax.set_title({"new": "defaults (freshest-first, 2 updates/step)", "forced": "staleness forced to S (hold)",
-                      "old": "before (oldest-first, 1 update/step)"}[mode])
+        ax.set_title({"new": "swarm, defaults", "forced": "staleness forced to S, defaults",
+                      "old": "swarm, before (oldest-first, 1 update/step)",
+                      "forced-old": "forced to S, before (1 update/step)"}[mode])
         ax.set_xlabel("step")
         ax.set_ylabel("mean reward (20-step mean, seed average)")
         ax.set_ylim(0, 1)
@@ -162,8 +230,7 @@ def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--staleness", default="0,1,2,4,6,11")
-    parser.add_argument("--forced", default="2,6", help="S values for the forced-staleness mode ('' for none); "
-                        "S = 0 forced is the same run as S = 0")
+    parser.add_argument("--forced", default="0,2,6", help="S values for the forced-staleness mode ('' for none)")
     parser.add_argument("--baseline", action="store_true", help="also run the old defaults at every S")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
@@ -195,9 +262,10 @@ def main() -> int:
     sweep = [int(s) for s in args.staleness.split(",") if s]
     forced = [int(s) for s in args.forced.split(",") if s]
     plans: list[tuple[str, int, dict[str, Any]]] = [("new", s, {}) for s in sweep]
-    plans += [("forced", s, {"schedule": "hold"}) for s in forced if s > 0]
+    plans += [("forced", s, {}) for s in forced]
     if args.baseline:
         plans += [("old", s, OLD_DEFAULTS) for s in sweep]
+        plans += [("forced-old", s, OLD_OBJECTIVE) for s in forced]
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
     print(f"{'run':<22} {'last50':>7} {'first20':>7} {'acc':>13} {'stale mean':>10} {'at S':>6} "
           f"{'dropped':>7} {'clip':>6} {'gap':>6} {'bubble':>6} {'wall':>6}", flush=True)
@@ -209,7 +277,10 @@ def main() -> int:
             run_model = run / "model"
             shutil.copytree(model, run_model)
             t0 = time.monotonic()
-            records = run_swarm(run, run_model, s, seed, args.steps, overrides, args.peers, args.timeout)
+            if mode.startswith("forced"):
+                records = run_forced(run, run_model, s, seed, args.steps, overrides)
+            else:
+                records = run_swarm(run, run_model, s, seed, args.steps, overrides, args.peers, args.timeout)
             summary = summarise(records, s)
             summary["accuracy"] = accuracy(run / "learner" / "run" / "final")
             summary["wall_s"] = time.monotonic() - t0
@@ -220,14 +291,18 @@ def main() -> int:
                   f"{summary['gap']:6.3f} {summary['bubble']:6.3f} {summary['wall_s']:5.0f}s", flush=True)
             shutil.rmtree(run_model, ignore_errors=True)
 
-    zero = statistics.fmean(r["last50"] for r in results["new"][0]) if 0 in results.get("new", {}) else None
-    print(f"\nlast-{LAST}-step mean reward, averaged over {args.seeds} seeds; ratio to S = 0 of the defaults")
-    print(f"{'mode':<8} {'S':>3} {'last50':>7} {'ratio':>6} {'stale mean':>10} {'acc after':>9} {'dropped':>7}")
-    for mode in ("new", "forced", "old"):
+    def zero_of(mode: str) -> float | None:
+        runs = results.get(mode, {}).get(0)
+        return statistics.fmean(r["last50"] for r in runs) if runs else None
+
+    print(f"\nlast-{LAST}-step mean reward, averaged over {args.seeds} seeds; ratio to S = 0 of the same mode")
+    print(f"{'mode':<10} {'S':>3} {'last50':>7} {'ratio':>6} {'stale mean':>10} {'acc after':>9} {'dropped':>7}")
+    for mode in MODES:
+        zero = zero_of(mode)
         for s, runs in sorted(results.get(mode, {}).items()):
             mean = statistics.fmean(r["last50"] for r in runs)
             ratio = f"{mean / zero:6.2f}" if zero else "     -"
-            print(f"{mode:<8} {s:>3} {mean:7.3f} {ratio} {statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
+            print(f"{mode:<10} {s:>3} {mean:7.3f} {ratio} {statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
                   f"{statistics.fmean(r['accuracy'] for r in runs):9.3f} "
                   f"{statistics.fmean(r['dropped_stale'] for r in runs):7.0f}")
     plot(results, args.png)

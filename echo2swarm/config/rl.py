@@ -76,10 +76,9 @@ class TrainConfig(_Section):
         "tokens exceeds this (counted as offpolicy_dropped; the group's prompt is not re-issued). None: keep all. "
         "Typical gaps are in offpolicy_gap_mean in metrics.jsonl.",
     )
-    schedule: Literal["freshest", "oldest", "hold"] = Field(
+    schedule: Literal["freshest", "oldest"] = Field(
         "freshest", description="Which buffered groups a step trains: 'freshest' (newest version first: lowest "
-        "staleness), 'oldest' (oldest first: fewest groups dropped as stale, staleness near S), or 'hold' (every "
-        "group waits until it is exactly S versions old: for benchmarks of the trust region).",
+        "staleness) or 'oldest' (oldest first: fewest groups dropped as stale, staleness near S).",
     )
     inflight_headroom: float = Field(
         1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x (groups the learner "

@@ -7,9 +7,7 @@ Staleness rule (docs/architecture.md §2): a group generated with version ``x`` 
 only if ``0 <= t - x <= S``. S is a bound, not a target: by default (``order="freshest"``) a step
 trains the newest groups first, so staleness stays as low as the rollouts in flight allow; the
 learner's intake keeps only as many in flight as keep it busy. ``order="oldest"`` trains the oldest
-first (fewest stale drops, staleness near S); ``order="hold"`` holds every group until it is exactly
-S versions old (before version ``first_version + S`` exists, the run's first version trains), which
-benchmarks use to measure the trust region at a forced staleness. ``take`` discards every group that has fallen out of that window
+first (fewest stale drops, staleness near S). ``take`` discards every group that has fallen out of that window
 (counted in ``dropped["stale"]``) and never returns one from the future (``x > t``: kept for a
 later step). The only other way a group leaves without being trained on is the size bound
 (``dropped["overflow"]``). So, at all times, ``added == taken + sum(dropped.values()) + len(buffer)``.
@@ -64,7 +62,7 @@ class Group:
                 )
 
 
-Order = Literal["freshest", "oldest", "hold"]
+Order = Literal["freshest", "oldest"]
 
 
 class RolloutBuffer:
@@ -81,10 +79,9 @@ class RolloutBuffer:
         buffer.staleness_histogram            # Counter({1: 1})
     """
 
-    def __init__(self, staleness: int, max_groups: int = 100_000, order: Order = "freshest",
-                 first_version: int = 0) -> None:
-        if order not in ("freshest", "oldest", "hold"):
-            raise ValueError(f"order must be freshest, oldest or hold, got {order!r}")
+    def __init__(self, staleness: int, max_groups: int = 100_000, order: Order = "freshest") -> None:
+        if order not in ("freshest", "oldest"):
+            raise ValueError(f"order must be freshest or oldest, got {order!r}")
         if staleness < 0:
             raise ValueError(f"staleness S must be >= 0, got {staleness}")
         if max_groups < 1:
@@ -92,7 +89,6 @@ class RolloutBuffer:
         self.staleness = staleness
         self.max_groups = max_groups
         self.order = order
-        self.first_version = first_version  # `hold`: the run's first version, trained until first_version + S exists
         self._by_version: dict[int, collections.deque[Group]] = {}
         self._size = 0
         self.added = 0
@@ -105,14 +101,6 @@ class RolloutBuffer:
 
     def _window(self, step: int) -> tuple[int, int]:
         return step - self.staleness, step
-
-    def _trainable(self, step: int) -> tuple[int, int]:
-        """The versions `take(step)` may return: the window, or in `hold` order only its oldest end."""
-        low, high = self._window(step)
-        if self.order == "hold":
-            held = max(low, self.first_version)
-            return held, held
-        return low, high
 
     def add(self, group: Group) -> None:
         """Store an accepted group; beyond ``max_groups`` evict the oldest (counted as overflow)."""
@@ -134,18 +122,12 @@ class RolloutBuffer:
         return group
 
     def count_usable(self, step: int) -> int:
-        """Groups inside the staleness window of ``step`` (``step - S <= version <= step``): what the
-        intake counts as committed work."""
+        """Groups that ``take(step, ...)`` could return: ``step - S <= version <= step``."""
         low, high = self._window(step)
         return sum(len(bucket) for version, bucket in self._by_version.items() if low <= version <= high)
 
-    def count_trainable(self, step: int) -> int:
-        """Groups ``take(step, ...)`` could return now (the window; in ``hold`` order, its oldest version)."""
-        low, high = self._trainable(step)
-        return sum(len(bucket) for version, bucket in self._by_version.items() if low <= version <= high)
-
     def ready(self, step: int, groups_needed: int) -> bool:
-        return self.count_trainable(step) >= groups_needed
+        return self.count_usable(step) >= groups_needed
 
     def discard_stale(self, step: int) -> int:
         """Drop every group with ``step - version > S`` (counted as stale); return how many."""
@@ -159,7 +141,7 @@ class RolloutBuffer:
         return discarded
 
     def take(self, step: int, groups_needed: int) -> list[Group]:
-        """Discard stale groups, then remove and return ``groups_needed`` trainable groups, versions
+        """Discard stale groups, then remove and return ``groups_needed`` usable groups, versions
         in ``order`` (ties by arrival). Groups from the future (``version > step``) stay.
 
         Raises ValueError if fewer than ``groups_needed`` are usable; stale groups are discarded
@@ -168,13 +150,13 @@ class RolloutBuffer:
         if groups_needed < 0:
             raise ValueError(f"groups_needed must be >= 0, got {groups_needed}")
         self.discard_stale(step)
-        usable = self.count_trainable(step)
+        usable = self.count_usable(step)
         if usable < groups_needed:
             raise ValueError(
-                f"only {usable} groups trainable at step {step} (S={self.staleness}, order {self.order}), "
+                f"only {usable} groups usable at step {step} (S={self.staleness}, order {self.order}), "
                 f"{groups_needed} needed"
             )
-        low, high = self._trainable(step)
+        low, high = self._window(step)
         out: list[Group] = []
         for version in sorted((v for v in self._by_version if low <= v <= high), reverse=self.order == "freshest"):
             while len(out) < groups_needed and version in self._by_version:

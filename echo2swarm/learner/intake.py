@@ -98,7 +98,7 @@ class Intake:
         self.head_json = head_json        # the signed head of published_version, handed out with every reply
         self.done = False
         self.leases = LeaseManager(leases_config.timeout_s, leases_config.max_prompts, cursor, requeue or [])
-        self.buffer = RolloutBuffer(train.staleness, order=train.schedule, first_version=version)
+        self.buffer = RolloutBuffer(train.staleness, order=train.schedule)
         self.wake = asyncio.Event()  # a group arrived: the trainer may have its batch
         self._freed = asyncio.Event()  # work was freed: held lease requests look again (replaced on each pulse)
         self.accepted = 0
@@ -166,7 +166,7 @@ class Intake:
     def capacity(self) -> int:
         """Groups leased or in the buffer's window at most: the in-flight target, capped by (S + 1) · R."""
         bound = (self.train.staleness + 1) * self.train.prompts_per_step
-        if self.gate is None or self.train.schedule == "hold":  # hold needs every version of the window
+        if self.gate is None:
             return bound
         target = self.gate.inflight_target(self.train.prompts_per_step, self.train.inflight_headroom)
         return bound if target is None else max(self.train.prompts_per_step, min(bound, target))

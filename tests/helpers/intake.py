@@ -20,12 +20,11 @@ def completion(ids: list[int], finish: str = "stop") -> CompletionMsg:
 
 
 def make_intake(staleness: int = 1, prompts_per_step: int = 2, max_hold_s: float = 5.0, gate: WorkGate | None = None,
-                peers: PeersConfig = PeersConfig(enabled=False), schedule: str = "freshest") -> Intake:
+                peers: PeersConfig = PeersConfig(enabled=False)) -> Intake:
     """Per-peer caps and bans are off unless `peers` turns them on: most intake tests are about the
     learner's own budget; test_accountability.py tests the caps and bans."""
     tokenizer = build_char_tokenizer()
-    train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4,
-                        schedule=schedule)
+    train = TrainConfig(staleness=staleness, prompts_per_step=prompts_per_step, group_size=2, max_new_tokens=4)
     return Intake(
         get_task("arith", seed=0), train, LeaseConfig(max_prompts=2, max_hold_s=max_hold_s),
         encode=lambda t: tokenizer(t)["input_ids"], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -77,31 +77,16 @@ def test_freshest_first_is_the_default() -> None:
     assert conserved(buffer)
 
 
-def test_hold_trains_only_groups_exactly_s_versions_old() -> None:
-    buffer = RolloutBuffer(staleness=2, order="hold", first_version=1)
-    for v in (1, 1, 2, 3, 3, 4):
-        buffer.add(make_group(v))
-    # before version 1 + S = 3 trains, the run's first version is what there is
-    assert buffer.count_trainable(1) == 2 and buffer.count_trainable(2) == 2
-    assert [g.version for g in buffer.take(2, 1)] == [1]
-    assert [g.version for g in buffer.take(3, 1)] == [1]  # staleness 2 = S
-    assert buffer.count_trainable(4) == 1 and buffer.count_usable(4) == 4
-    assert [g.version for g in buffer.take(4, 1)] == [2]
-    assert buffer.ready(5, 2) and [g.version for g in buffer.take(5, 2)] == [3, 3]
-    assert buffer.staleness_histogram == Counter({1: 1, 2: 4})
-    assert conserved(buffer)
-
-
 def test_unknown_order_refused() -> None:
     with pytest.raises(ValueError, match="order"):
-        RolloutBuffer(staleness=1, order="newest")  # type: ignore[arg-type]
+        RolloutBuffer(staleness=1, order="hold")  # type: ignore[arg-type]
 
 
 def test_take_raises_when_not_ready_and_zero_is_fine() -> None:
     buffer = RolloutBuffer(staleness=1)
     buffer.add(make_group(3))
     buffer.add(make_group(1))
-    with pytest.raises(ValueError, match=r"only 1 groups trainable at step 3 \(S=1, order freshest\), 2 needed"):
+    with pytest.raises(ValueError, match=r"only 1 groups usable at step 3 \(S=1, order freshest\), 2 needed"):
         buffer.take(3, 2)
     assert buffer.dropped["stale"] == 1  # a step never goes back, so stale ones go even on failure
     assert buffer.take(3, 0) == []
@@ -173,8 +158,6 @@ class ReferenceBuffer:
         return [x for x in self.items if 0 <= step - x[0] <= self.s]
 
     def trainable(self, step: int) -> list[tuple[int, int, Group]]:
-        if self.order == "hold":  # first_version 0 in this test
-            return sorted((x for x in self.items if x[0] == max(step - self.s, 0)), key=lambda x: x[1])
         newest = self.order == "freshest"
         return sorted(self.usable(step), key=lambda x: (-x[0] if newest else x[0], x[1]))
 
@@ -191,7 +174,7 @@ class ReferenceBuffer:
         return [x[2] for x in chosen]
 
 
-@pytest.mark.parametrize("order", ["freshest", "oldest", "hold"])
+@pytest.mark.parametrize("order", ["freshest", "oldest"])
 @pytest.mark.parametrize("staleness", [0, 1, 3])
 @pytest.mark.parametrize("seed", range(8))
 def test_randomised_add_take_invariants(staleness: int, seed: int, order: str) -> None:
@@ -215,9 +198,8 @@ def test_randomised_add_take_invariants(staleness: int, seed: int, order: str) -
             added.append(group)
         elif op < 0.9:
             n = rng.randint(0, 4)
-            assert buffer.count_usable(step) == len(reference.usable(step))
-            usable = buffer.count_trainable(step)
-            assert usable == len(reference.trainable(step))
+            usable = buffer.count_usable(step)
+            assert usable == len(reference.trainable(step)) == len(reference.usable(step))
             assert buffer.ready(step, n) == (usable >= n)
             expected = reference.take(step, n)
             if expected is None:

@@ -209,7 +209,6 @@ def test_in_flight_cap_follows_the_measured_target_within_the_staleness_bound() 
     assert make_intake(staleness=6, gate=Target(5)).capacity == 5
     assert make_intake(staleness=6, gate=Target(100)).capacity == 14
     assert make_intake(staleness=6, gate=Target(1)).capacity == 2  # never below one step's groups
-    assert make_intake(staleness=6, gate=Target(5), schedule="hold").capacity == 14  # hold needs the window
     intake = make_intake(staleness=6, gate=Target(3))
     first = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A))
     second = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), B))
