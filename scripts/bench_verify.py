@@ -145,7 +145,7 @@ def spread(lab: Lab, groups: list[Group], version: int) -> dict[str, torch.Tenso
         scores = score_tokens(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                               temperature=lab.train.temperature, top_p=lab.train.top_p)
     mask = batch.completion_mask.bool()
-    gap = torch.where(mask, (batch.behaviour - scores.logprobs).abs(), torch.zeros_like(scores.logprobs))
+    gap = torch.where(mask, (batch.behaviour - scores.sampling_logprobs).abs(), torch.zeros_like(scores.logprobs))
     excess = torch.where(mask, scores.surprisal - scores.entropy, 0).sum(1)
     variance = torch.where(mask, scores.variance, 0).sum(1)
     out: dict[str, list[float]] = {"max_gap": [], "mean_gap": [], "z": []}
@@ -213,7 +213,8 @@ def crafted_groups(lab: Lab, version: int, rng: random.Random, n: int) -> dict[s
         batch = tr.build_batch(groups)
         with torch.no_grad():
             lp = score_tokens(spare, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                              temperature=lab.train.temperature, typicality=False).logprobs
+                              temperature=lab.train.temperature, top_p=lab.train.top_p,
+                              typicality=False).sampling_logprobs
         for group, rows in zip(groups, tr._group_rows(groups)):
             group.behaviour_logprobs = [lp[r, lp.shape[1] - len(c):].tolist()
                                         for r, c in zip(rows, group.completions)]

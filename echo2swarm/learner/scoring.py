@@ -1,17 +1,20 @@
 """How probable each completion token is under a policy, and how typical a sampled sequence is.
 
-    logits of a forward (grpo.completion_logits) ─► per token: logprob, and under the sampling
-    distribution (softmax(logits / T), top-p nucleus renormalised): surprisal, entropy, variance
-    of the surprisal, whether the token lies outside the nucleus ─► typicality z per sequence
+    logits of a forward (grpo.completion_logits) ─► per token: logprob (full softmax), and under
+    the sampling distribution μ (softmax(logits / T), top-p nucleus renormalised): log μ(token),
+    surprisal, entropy, variance of the surprisal, whether the token lies outside the nucleus
+    ─► typicality z per sequence
 
-The learner's verification (verify.py) compares a peer's claimed logprobs with `logprobs` and
-refuses sequences whose z says they are far less probable than sampling gives.
+The learner's verification (verify.py) compares a peer's claimed behaviour logprobs with
+`sampling_logprobs` (the engines' convention, rollout/engines/base.py) and refuses sequences
+whose z says they are far less probable than sampling gives. With top_p = 1 the two logprobs
+are one tensor: nothing is computed for μ beyond what typicality asks for.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -27,12 +30,17 @@ VARIANCE_FLOOR = 1.0
 class TokenScores:
     """Per completion token, ``[B, L]`` and aligned with ``input_ids`` (0 where not scored).
 
-    ``logprobs``: log softmax(logits / T)[token] over the full vocabulary: the engines' behaviour
-    logprob convention (rollout/engines/base.py), and bit for bit `token_logprobs`'s value.
-    The rest is None when typicality was not asked for: ``surprisal`` = -log π(token) under the
-    sampling distribution π (T, then top-p truncation, renormalised; for a token outside the
-    nucleus, the value it would have inside); ``entropy`` H(π); ``variance`` Var_{x~π}[-log π(x)];
-    ``outside``: the token is outside the nucleus (an honest engine samples it only by rounding).
+    ``logprobs``: log softmax(logits / T)[token] over the full vocabulary: the policy's own
+    logprob (the objective's π, the proximal policy), bit for bit `token_logprobs`'s value.
+    ``sampling_logprobs``: log μ(token) under the sampling distribution μ (T, then top-p
+    truncation, renormalised over the nucleus): ``logprobs`` minus the log of the nucleus mass,
+    the engines' behaviour logprob convention (rollout/engines/base.py) and what a claim is
+    compared with; for a token outside the nucleus, the value it would have inside. With top_p = 1
+    it is the very tensor ``logprobs`` (the default when left out).
+    The rest is None when typicality was not asked for: ``surprisal`` = -log μ(token) (computed
+    from a log-softmax, so it may differ from ``-sampling_logprobs`` in the last bits);
+    ``entropy`` H(μ); ``variance`` Var_{x~μ}[-log μ(x)]; ``outside``: the token is outside the
+    nucleus (an honest engine samples it only by rounding).
     """
 
     logprobs: torch.Tensor
@@ -40,27 +48,51 @@ class TokenScores:
     entropy: torch.Tensor | None = None
     variance: torch.Tensor | None = None
     outside: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor = None  # type: ignore[assignment]  # set in __post_init__ when None
+
+    def __post_init__(self) -> None:
+        if self.sampling_logprobs is None:
+            self.sampling_logprobs = self.logprobs
 
     def rows(self, index: torch.Tensor) -> TokenScores:
-        return TokenScores(*(None if t is None else t[index] for t in
-                             (self.logprobs, self.surprisal, self.entropy, self.variance, self.outside)))
+        picked = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[index]
+                  for f in fields(self)}
+        if self.sampling_logprobs is self.logprobs:
+            picked["sampling_logprobs"] = None  # stays the same tensor as logprobs
+        return TokenScores(**picked)
 
 
-def _sampling_stats(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
-    """For logits ``[r, n, V]`` (already / T) and targets ``[r, n]``: surprisal, entropy, variance, outside."""
+def _nucleus(logp: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For log-probabilities ``[..., V]`` and top_p < 1: the log of the nucleus mass ``[..., 1]``
+    and the mask of the tokens outside the nucleus ``[..., V]``.
+
+    The engines' rule (engines/hf.py `_sample`, vLLM's top-p): sorted by probability, a token is
+    kept while the mass ranked above it is still short of top_p; the top one always is.
+    """
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return torch.logsumexp(logp.masked_fill(drop, -math.inf), dim=-1, keepdim=True), drop
+
+
+def _chunk_scores(
+    logits: torch.Tensor, targets: torch.Tensor, top_p: float, typicality: bool
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+    """For logits ``[r, n, V]`` (already / T) and targets ``[r, n]``: the log of the nucleus mass
+    ``[r, n]`` (None when top_p = 1), and with ``typicality`` (surprisal, entropy, variance, outside)."""
     logp = torch.log_softmax(logits, dim=-1)
     if top_p < 1.0:
-        # The engine's rule (engines/hf.py `_sample`): sorted by probability, a token is kept while
-        # the mass ranked above it is still short of top_p; the top one always is.
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        sorted_p = sorted_logp.exp()
-        drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        log_mass = torch.logsumexp(logp.masked_fill(drop, -math.inf), dim=-1, keepdim=True)
+        log_mass, drop = _nucleus(logp, top_p)
+        mass_out: torch.Tensor | None = log_mass.squeeze(-1)
+    else:
+        log_mass, drop, mass_out = torch.zeros_like(logp[..., :1]), None, None
+    if not typicality:
+        return mass_out, None
+    if drop is not None:
         log_pi = (logp - log_mass).masked_fill(drop, -math.inf)
         outside = drop.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     else:
-        log_mass = torch.zeros_like(logp[..., :1])
         log_pi = logp
         outside = torch.zeros_like(targets, dtype=torch.bool)
     pi = log_pi.exp()
@@ -69,7 +101,7 @@ def _sampling_stats(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -
     centred = torch.where(pi > 0, log_pi + entropy.unsqueeze(-1), torch.zeros_like(pi))
     variance = (pi * centred.square()).sum(dim=-1)
     surprisal = -(logp.gather(-1, targets.unsqueeze(-1)) - log_mass).squeeze(-1)
-    return surprisal, entropy, variance, outside
+    return mass_out, (surprisal, entropy, variance, outside)
 
 
 def score_logits(
@@ -83,29 +115,42 @@ def score_logits(
     """Score every completion token from logits a forward already produced (no gradient flows).
 
     ``logprobs`` (``scored.token_logprobs()``, when the caller has it already) is detached and
-    reused. With ``typicality``, the sampling statistics are computed ``chunk_elements`` logits at
-    a time (2^25 floats: 128 MiB of scratch per chunk, a few times over for the top-p sort).
+    reused. With top_p < 1 (the nucleus mass, for ``sampling_logprobs``) or with ``typicality``
+    (the sampling statistics), the logits are processed ``chunk_elements`` at a time (2^25
+    floats: 128 MiB of scratch per chunk, a few times over for the top-p sort). With top_p = 1
+    and no typicality, nothing beyond ``logprobs`` is computed.
     """
     with torch.no_grad():
         logits = scored.logits.detach()
         detached = CompletionLogits(logits, scored.targets, scored.first, scored.keep)
         logprobs = detached.token_logprobs() if logprobs is None else logprobs.detach()
-        if not typicality:
+        truncated = top_p < 1.0
+        if not typicality and not truncated:
             return TokenScores(logprobs)
         batch, n = scored.targets.shape
-        if n == 0 or logits.shape[1] == 0:
+        if n == 0 or logits.shape[1] == 0:  # nothing scored: every logprob is 0, and so is its log μ
+            if not typicality:
+                return TokenScores(logprobs)
             zeros = torch.zeros_like(logprobs)
             return TokenScores(logprobs, zeros, zeros.clone(), zeros.clone(), zeros.bool())
+        masses: list[torch.Tensor] = []
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         rows = max(1, chunk_elements // max(1, n * logits.shape[-1]))
         for start in range(0, batch, rows):
-            stats = _sampling_stats(logits[start:start + rows], scored.targets[start:start + rows], top_p)
-            for part, value in zip(parts, stats):
+            log_mass, stats = _chunk_scores(logits[start:start + rows], scored.targets[start:start + rows], top_p,
+                                            typicality)
+            if log_mass is not None:
+                masses.append(log_mass)
+            for part, value in zip(parts, stats or ()):
                 part.append(value)
+        # Where not kept, both logprobs and the spread mass are 0: the difference stays 0 there.
+        sampling = logprobs - detached.spread(torch.cat(masses)) if truncated else None
+        if not typicality:
+            return TokenScores(logprobs, sampling_logprobs=sampling)
         surprisal, entropy, variance, outside = (torch.cat(p) for p in parts)
         return TokenScores(
             logprobs, detached.spread(surprisal), detached.spread(entropy), detached.spread(variance),
-            detached.spread(outside.float()).bool(),
+            detached.spread(outside.float()).bool(), sampling_logprobs=sampling,
         )
 
 

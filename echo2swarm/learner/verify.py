@@ -13,10 +13,12 @@ the staleness of a group of version v)::
 
     groups ─► left-padded batch
       └─► the step's own forward of the policy (= version t; `score_logits` on its logits, no
-            gradient; `score_tokens` for a forward of its own), per completion token:
-            q = proximal logprob (also the decoupled objective's anchor), and under the sampling
-            distribution π (softmax(logits / T), top-p nucleus renormalised) the token's
-            surprisal s = -log π(x), the entropy H(π) and Var_π[-log π]
+            gradient; `score_tokens` for a forward of its own), per completion token, under the
+            sampling distribution π (softmax(logits / T), top-p nucleus renormalised: what the
+            engines sample from and report, rollout/engines/base.py): q = log π(x) (the proximal
+            logprob, the decoupled objective's anchor, minus the log of the nucleus mass; the
+            proximal logprob itself when top_p = 1), the surprisal s = -log π(x), the entropy
+            H(π) and Var_π[-log π]
       └─► plausibility, every group (`Verifier.check`)
             b finite ──────────────────────────────────────────────── else "nonfinite_logprob"
             max |b - q| <= exact_tolerance + k · token_gap_per_version   else "token_gap"
@@ -27,7 +29,7 @@ the staleness of a group of version v)::
             bound, typicality over the threshold under q, or a peer refused in the last
             `suspect_steps` steps). Version v's weights come from `weights_of(v)` (the learner's
             own published versions) into a spare model (LRU of `spare_models`), one forward per
-            version: e = exact logprobs; max |b - e| > exact_tolerance or
+            version: e = log π_v(x), renormalised as q; max |b - e| > exact_tolerance or
             mean |b - e| > exact_mean_tolerance ──────────────────────────── "exact_mismatch"
       └─► typicality, under the behaviour version (exact when it ran; for an older group that no
             exact check covered, under q, the policy k versions later, as a proxy):
@@ -52,7 +54,8 @@ far above 3 and a variance floor.
 
 Measured honest spread (`scripts/bench_verify.py`: the tiny arith model warmed up to ~25 %
 accuracy, the transformers engine on the CPU, the fp32 trainer; 400 groups of 8 per version and
-engine dtype, T = 1, top_p = 1; also 300 at T = 0.7, top_p = 0.9), |claimed - recomputed| logprob:
+engine dtype, T = 1, top_p = 1; also 300 at T = 0.7, top_p = 0.9, measured when the behaviour
+logprob was still the full-softmax one), |claimed - recomputed| logprob:
 
     engine, vs what                  max over tokens    max group mean   (p99 of per-group max)
     fp32, own version                9.1e-6             2.0e-6           6.6e-6
@@ -75,8 +78,9 @@ smaller ones; bf16 engines on large models (vLLM) disagree with an fp32 learner 
 tiny model does, so measure before tightening exact_tolerance.
 
 Memory: at most `spare_models` extra copies of the policy (fp32, on the training device), made
-on the first exact check of an older version; the sampling statistics are computed in row chunks
-of at most `chunk_elements` logits beside the logits the forward already holds.
+on the first exact check of an older version; the sampling statistics and (top_p < 1) the nucleus
+mass are computed in row chunks of at most `chunk_elements` logits beside the logits the forward
+already holds.
 """
 
 from __future__ import annotations
@@ -268,11 +272,12 @@ class Verifier:
         if not pending:
             return result
 
-        # 1. Plausibility against the proximal logprobs q (the policy at version t), every group.
+        # 1. Plausibility against q, the policy at version t as the engines report it (log of the
+        # renormalised nucleus probability; the proximal logprob itself when top_p = 1), every group.
         # One transfer of per-row figures to the CPU for the whole batch, not one per group.
         finite = torch.isfinite(behaviour)
         claimed_ok = torch.where(mask, finite, torch.ones_like(mask)).all(dim=1)
-        gap = torch.where(mask & finite, (behaviour - scores.logprobs).abs(), torch.zeros_like(behaviour))
+        gap = torch.where(mask & finite, (behaviour - scores.sampling_logprobs).abs(), torch.zeros_like(behaviour))
         figures = torch.stack([claimed_ok.float(), gap.amax(dim=1), gap.sum(dim=1), mask.sum(dim=1).float()]).cpu()
         excess, variance = self._row_typicality(scores, mask)
         for p in pending:
@@ -328,7 +333,8 @@ class Verifier:
                     temperature=self.temperature, top_p=self.top_p, typicality=cfg.typicality_z is not None,
                 )
             sub_mask = mask[index]
-            sub_gap = torch.where(sub_mask, (behaviour[index] - exact.logprobs).abs(), torch.zeros_like(exact.logprobs))
+            exact_lp = exact.sampling_logprobs
+            sub_gap = torch.where(sub_mask, (behaviour[index] - exact_lp).abs(), torch.zeros_like(exact_lp))
             sub_excess, sub_variance = self._row_typicality(exact, sub_mask)
             sub_figures = torch.stack([sub_gap.amax(dim=1), sub_gap.sum(dim=1), sub_mask.sum(dim=1).float()]).cpu()
             start = 0

@@ -336,7 +336,7 @@ class RolloutWorker:
                 self.stats["leases_abandoned"] += 1
                 self._engine_failed(f"generation failed: {e}")
                 continue
-            except ValueError as e:  # a lease this engine cannot serve (e.g. vLLM and top_p < 1)
+            except ValueError as e:  # a lease this engine cannot serve (e.g. a prompt past max_model_len)
                 self.stats["leases_abandoned"] += 1
                 self._backoff(f"cannot generate for this learner's leases: {e}")
                 continue

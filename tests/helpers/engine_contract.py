@@ -9,7 +9,8 @@ collects it; this module's own class is not collected) and provides these fixtur
   puts seed0 back before it ends, so this may be ``engine`` itself where building one is dear);
 - ``reference``: ``{"seed0": …, "seed1": …}``, transformers engines holding those weights. Every
   logprob is checked against teacher forcing on them: one unpadded, uncached forward pass over
-  prompt + completion, the definition the learner relies on.
+  prompt + completion, the definition the learner relies on (with top_p < 1: the token's
+  probability in the nucleus renormalised, worked out here in float64, apart from any engine).
 
 and sets ``greedy_tolerance``: how far the engine's greedy logprobs may be from the transformers
 engine's, and from its own earlier ones after a refit there and back (0.0: the very same outputs,
@@ -20,6 +21,7 @@ The assertion helpers below are what the engine-specific tests use as well.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,15 +49,31 @@ GREEDY = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
 
 
 def teacher_forced_logprobs(
-    reference: TransformersEngine, prompt: str, completion: list[int], temperature: float
+    reference: TransformersEngine, prompt: str, completion: list[int], temperature: float, top_p: float = 1.0
 ) -> list[float]:
-    """log_softmax(logits / T) of each completion token from one plain forward pass."""
+    """The behaviour logprob of each completion token (base.py) from one plain forward pass.
+
+    top_p = 1: ``log_softmax(logits / T)[token]``. top_p < 1: ``log(p[token] / nucleus mass)``
+    with p = softmax(logits / T) in float64 and the nucleus the tokens whose mass ranked strictly
+    above them is < top_p; asserts that every token lies inside its nucleus (an engine that
+    samples outside it, or reports the full-softmax logprob, fails here).
+    """
     prompt_ids = reference.tokenizer(prompt)["input_ids"]
     with torch.inference_mode():
         logits = reference.model(torch.tensor([prompt_ids + completion])).logits[0].float()
-    logp = torch.log_softmax(logits / temperature, dim=-1)
     start = len(prompt_ids) - 1
-    return [logp[start + i, token].item() for i, token in enumerate(completion)]
+    if top_p >= 1.0:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        return [logp[start + i, token].item() for i, token in enumerate(completion)]
+    out = []
+    for i, token in enumerate(completion):
+        p = torch.softmax(logits[start + i].double() / temperature, dim=-1)
+        above = p[p > p[token]].sum().item()  # the mass ranked strictly above the token
+        assert above < top_p + 1e-6, f"token {token} at step {i} is outside the top-p {top_p} nucleus"
+        ranked = p.sort(descending=True).values
+        mass = ranked[(ranked.cumsum(0) - ranked) < top_p].sum().item()
+        out.append(math.log(p[token].item() / mass))
+    return out
 
 
 def greedy_reference(reference: TransformersEngine, prompt: str, max_new_tokens: int) -> list[int]:
@@ -91,12 +109,13 @@ def assert_well_formed(completion: Completion, max_new_tokens: int) -> None:
 
 
 def assert_logprobs_match(
-    reference: TransformersEngine, prompts: list[str], groups: list[list[Completion]], temperature: float
+    reference: TransformersEngine, prompts: list[str], groups: list[list[Completion]], temperature: float,
+    top_p: float = 1.0,
 ) -> None:
-    """Every reported logprob equals teacher forcing on ``reference`` at ``temperature``."""
+    """Every reported logprob equals teacher forcing on ``reference`` at ``temperature`` and ``top_p``."""
     for prompt, group in zip(prompts, groups, strict=True):
         for completion in group:
-            expected = teacher_forced_logprobs(reference, prompt, completion.token_ids, temperature)
+            expected = teacher_forced_logprobs(reference, prompt, completion.token_ids, temperature, top_p)
             assert completion.logprobs == pytest.approx(expected, abs=1e-4), prompt
 
 
@@ -181,6 +200,26 @@ class EngineContract:
         assert engine.generate(MIXED_PROMPTS, params) == groups  # same seed, same completions
         other = engine.generate(MIXED_PROMPTS, SamplingParams(n=8, max_new_tokens=8, temperature=temperature, seed=12))
         assert token_ids(other) != token_ids(groups)
+
+    def test_top_p_logprobs_are_renormalised_over_the_nucleus(
+        self, engine: Engine, reference: dict[str, TransformersEngine]
+    ) -> None:
+        # The untrained tiny model is nearly uniform, so a top-p 0.5 nucleus holds about half the
+        # mass: the renormalised logprob is ~0.6 nats above the full-softmax one, far beyond rounding.
+        params = SamplingParams(n=4, max_new_tokens=8, temperature=0.8, top_p=0.5, seed=4)
+        groups = engine.generate(MIXED_PROMPTS, params)
+
+        for group in groups:
+            for completion in group:
+                assert_well_formed(completion, params.max_new_tokens)
+        assert_logprobs_match(reference["seed0"], MIXED_PROMPTS, groups, 0.8, top_p=0.5)
+        lifts = [
+            got - full
+            for prompt, group in zip(MIXED_PROMPTS, groups) for c in group
+            for got, full in zip(c.logprobs, teacher_forced_logprobs(reference["seed0"], prompt, c.token_ids, 0.8))
+        ]
+        assert min(lifts) > 0.3, min(lifts)  # -log(nucleus mass), never the full-softmax value
+        assert engine.generate(MIXED_PROMPTS, params) == groups  # seeded as without top-p
 
     def test_refit_in_place(
         self, refit_engine: Engine, reference: dict[str, TransformersEngine], model_dirs: dict[str, Path]

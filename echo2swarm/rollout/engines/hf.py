@@ -8,13 +8,15 @@
                  ─► finished rows are dropped from the batch once enough of them pile up
 
 A hand-written loop rather than ``model.generate``: the behaviour logprob has one exact
-definition here (see ``base.py``), there is no logits-processor stack to second-guess, and the
-per-step overhead is a single forward call. Memory is bounded by ``max_batch_sequences``; the
-caller applies back-pressure by how much it asks for at once.
+definition here (see ``base.py``: under the temperature-scaled nucleus, renormalised), there is
+no logits-processor stack to second-guess, and the per-step overhead is a single forward call.
+Memory is bounded by ``max_batch_sequences``; the caller applies back-pressure by how much it
+asks for at once.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -291,22 +293,25 @@ class TransformersEngine:
 def _sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (token ids, their behaviour logprobs)."""
+    """Pick one token per row; return (token ids, their behaviour logprobs: see ``base.py``)."""
     logits = logits.float()
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
+    elif params.top_p < 1.0:
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        sorted_logp, sorted_ids = logp.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logp.exp()
+        # Keep a token while the mass ranked above it is still short of top_p (the top one always).
+        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
+        choice = torch.multinomial(sorted_probs.masked_fill_(drop, 0.0), 1, generator=generator)
+        token = sorted_ids.gather(-1, choice).squeeze(-1)
+        # The token came from the nucleus renormalised: its logprob there, not in the full softmax.
+        log_mass = torch.logsumexp(sorted_logp.masked_fill(drop, -math.inf), dim=-1)
+        return token, sorted_logp.gather(-1, choice).squeeze(-1) - log_mass
     else:
         logp = torch.log_softmax(logits / params.temperature, dim=-1)
-        probs = logp.exp()
-        if params.top_p < 1.0:
-            sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
-            # Keep a token while the mass ranked above it is still short of top_p (the top one always).
-            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
-            choice = torch.multinomial(sorted_probs.masked_fill_(drop, 0.0), 1, generator=generator)
-            token = sorted_ids.gather(-1, choice).squeeze(-1)
-        else:
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 

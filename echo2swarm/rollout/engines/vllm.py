@@ -20,10 +20,13 @@ record of them), so a refit is the model's own weight loaders plus one repack pe
 half the time, for the memory of a second copy of the linear weights. Either way: no engine
 restart, no new KV cache, and a version whose files cannot be read leaves the old weights whole.
 
-Logprobs follow ``base.py``: vLLM runs in ``processed_logprobs`` mode, i.e. ``log_softmax(logits /
-T)`` — which equals the contract exactly when nothing truncates the distribution. vLLM computes
-them *after* top-p masking, so ``top_p < 1`` is refused rather than reported with a different
-meaning. For greedy requests vLLM skips temperature, so they are taken at T = 1, as specified.
+Logprobs follow ``base.py``: vLLM runs in ``processed_logprobs`` mode, where the sampler reports
+``log_softmax`` of the very logits it samples from: divided by T, then top-p masked (the tokens
+outside the nucleus set to -inf; vLLM's rule keeps a token while the mass ranked above it is
+< top_p, as ours), i.e. the logprob in the nucleus renormalised, which is the contract
+(``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py`` in vLLM 0.32; the processed modes
+also keep vLLM off FlashInfer's sampler, which cannot report them). For greedy requests vLLM
+skips temperature and top-p, so they are taken at T = 1, as specified.
 
 ``import vllm`` happens only here and in vllm_worker.py, and only once an engine is built (see
 ``import_vllm``).
@@ -198,12 +201,6 @@ class VLLMEngine:
         llm = self._require_open()
         if not prompts:
             return []
-        if params.top_p < 1.0 and not params.greedy:
-            raise ValueError(
-                f"the vllm engine reports logprobs after top-p truncation, but the learner needs them before it "
-                f"(got top_p={params.top_p}); set train.top_p = 1.0 on the learner or run this peer with "
-                "--engine transformers"
-            )
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -226,7 +223,7 @@ class VLLMEngine:
                 n=n,
                 max_tokens=params.max_new_tokens,
                 temperature=params.temperature,
-                top_p=1.0,
+                top_p=1.0 if params.greedy else params.top_p,
                 seed=base + index * params.n,
                 logprobs=0,  # the sampled token's logprob only
                 stop_token_ids=self._eos_ids,

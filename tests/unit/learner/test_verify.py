@@ -19,14 +19,14 @@ from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import token_logprobs
+from echo2swarm.learner.grpo import completion_logits, token_logprobs
 from echo2swarm.learner.trainer import GRPOTrainer
 from echo2swarm.learner.verify import (
     NonFiniteWeightsError,
     Verifier,
     VerifyResult,
 )
-from echo2swarm.learner.scoring import _sampling_stats, score_tokens, typicality_z
+from echo2swarm.learner.scoring import _chunk_scores, score_logits, score_tokens, typicality_z
 from echo2swarm.rollout.engines.base import SamplingParams
 from echo2swarm.rollout.engines.hf import TransformersEngine
 from echo2swarm.tasks.arith import ArithTask
@@ -122,14 +122,16 @@ class Lab:
         return Verifier(VerifyConfig(seed=0, **config), temperature=self.config.temperature, top_p=self.config.top_p,
                         weights_of=self.weights_of, make_spare=self.trainer._spare_model)
 
-    def true_logprobs(self, group: Group, version: int) -> Group:
-        """`group` with the behaviour logprobs `version` really gives its tokens (teacher forcing)."""
+    def true_logprobs(self, group: Group, version: int, *, renormalised: bool = True) -> Group:
+        """`group` with the behaviour logprobs `version` really gives its tokens (teacher forcing):
+        as the engines report them (renormalised over the top-p nucleus), or with ``renormalised=False``
+        the full-softmax ones (how they were reported before the nucleus convention)."""
         model = self.trainer._spare_model()
         model.load_state_dict(load_file(self.dir(version) / "model.safetensors"), strict=False)
         batch = self.trainer.build_batch([group])
-        with torch.no_grad():
-            lp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                                temperature=self.config.temperature)
+        scores = score_tokens(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                              temperature=self.config.temperature, top_p=self.config.top_p, typicality=False)
+        lp = scores.sampling_logprobs if renormalised else scores.logprobs
         group.behaviour_logprobs = [lp[r, lp.shape[1] - len(c):].tolist() for r, c in enumerate(group.completions)]
         return group
 
@@ -284,6 +286,44 @@ def test_honest_groups_pass_fresh_and_stale(tiny_model_dir: Path, tmp_path: Path
     assert stats["stale_sequences"] == 32 * 8 and stats["skipped_nonfinite"] == 0
 
 
+def test_top_p_honest_groups_pass_and_full_softmax_claims_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The untrained model is nearly uniform: a top-p 0.8 nucleus holds ~0.8 of the mass, so a
+    # logprob reported the old way (full softmax, not renormalised) is ~0.2 nats low on every token,
+    # beyond the 0.1 mean tolerance of the exact check.
+    lab = Lab(tiny_model_dir, tmp_path, temperature=0.9, top_p=0.8)
+    from_v1 = lab.generate(range(8), 1, seed=1)
+    stats = lab.train(lab.training_groups(range(100, 108), seed=2))  # a real step at top_p 0.8
+    assert stats["refused_groups"] == [] and stats["groups_trained"] == 8
+    from_v2 = lab.generate(range(8, 16), 2, seed=3)
+
+    def old_way(group: Group, peer: str) -> Group:
+        copy = lab.group(group.prompt_id, group.version, group.completions, group.behaviour_logprobs,
+                         group.finish_reasons, peer)
+        return lab.true_logprobs(copy, group.version, renormalised=False)
+
+    # Honest groups, fresh (k = 0) and stale (exact-checked under their own version): all pass.
+    # The same tokens with the true logprobs as the engines report them pass too (the helper
+    # agrees with the engine); with the full-softmax ones, they are refused.
+    blank = [[0.0] * len(c) for c in from_v1[0].completions]
+    agreeing = lab.true_logprobs(lab.group(from_v1[0].prompt_id, 1, from_v1[0].completions, blank,
+                                           from_v1[0].finish_reasons, "teacher"), 1)
+    assert max(abs(a - b) for x, y in zip(agreeing.behaviour_logprobs, from_v1[0].behaviour_logprobs)
+               for a, b in zip(x, y)) < 1e-4
+    result = lab.check(lab.verifier(sample_fraction=1.0), from_v1 + from_v2 + [agreeing])
+    assert result.refusals == [] and result.exact == 17
+    old = [old_way(from_v2[0], "old-fresh"), old_way(from_v1[0], "old-stale")]
+    result = lab.check(lab.verifier(sample_fraction=1.0), from_v1[1:] + from_v2[1:] + old)
+    assert result.keep == [True] * 14 + [False, False]
+    assert [(r.peer_id, r.reason) for r in result.refusals] == [("old-fresh", "exact_mismatch"),
+                                                                ("old-stale", "exact_mismatch")]
+    assert "mean |b - " in result.refusals[0].detail  # every token only ~0.2 nats off: the mean tells
+
+    # And a real step at default settings trains on the honest ones, refusing the old-way ones.
+    stats = lab.train(from_v1[1:] + from_v2[1:] + [old_way(from_v2[0], "old-fresh")])
+    assert stats["refused_groups"] == [("old-fresh", from_v2[0].prompt_id, "exact_mismatch")]
+    assert stats["groups_trained"] == 14 and stats["skipped_nonfinite"] == 0
+
+
 # ---------------------------------------------------------------------------------- non-finite
 
 
@@ -354,18 +394,52 @@ def test_weights_bytes_refuses_nonfinite_tensors(tiny_model_dir: Path, tmp_path:
 def test_sampling_statistics_by_hand() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().view(1, 1, 4)
-    surprisal, entropy, variance, outside = _sampling_stats(logits, torch.tensor([[1]]), top_p=1.0)
+    log_mass, (surprisal, entropy, variance, outside) = _chunk_scores(logits, torch.tensor([[1]]), 1.0, True)
     h = float(-(probs * probs.log()).sum())
+    assert log_mass is None  # no truncation: nothing to renormalise
     assert float(entropy) == pytest.approx(h, rel=1e-5)
     assert float(variance) == pytest.approx(float((probs * (-probs.log() - h) ** 2).sum()), rel=1e-5)
     assert float(surprisal) == pytest.approx(-math.log(0.3), rel=1e-5) and not bool(outside)
     # top_p 0.7: the nucleus is {0.5, 0.3} (mass above 0.15 is 0.8 >= 0.7), renormalised.
-    surprisal, entropy, variance, outside = _sampling_stats(logits, torch.tensor([[2]]), top_p=0.7)
+    log_mass, (surprisal, entropy, variance, outside) = _chunk_scores(logits, torch.tensor([[2]]), 0.7, True)
     pi = torch.tensor([0.5, 0.3]) / 0.8
     h = float(-(pi * pi.log()).sum())
+    assert float(log_mass) == pytest.approx(math.log(0.8), rel=1e-5)
     assert float(entropy) == pytest.approx(h, rel=1e-5)
     assert float(variance) == pytest.approx(float((pi * (-pi.log() - h) ** 2).sum()), rel=1e-5)
     assert bool(outside) and float(surprisal) == pytest.approx(-math.log(0.15 / 0.8), rel=1e-5)
+    # top_p 0.45: the mass ranked above 0.3 (0.5) is no longer short of it: {0.5} alone; 0.55: {0.5, 0.3}.
+    log_mass, stats = _chunk_scores(logits, torch.tensor([[0]]), 0.45, False)
+    assert stats is None and float(log_mass) == pytest.approx(math.log(0.5), rel=1e-5)
+    log_mass, _ = _chunk_scores(logits, torch.tensor([[0]]), 0.55, False)
+    assert float(log_mass) == pytest.approx(math.log(0.8), rel=1e-5)
+
+
+@pytest.mark.parametrize("typicality", [True, False])
+def test_sampling_logprobs_are_the_nucleus_renormalised_in_any_chunking(tiny_model_dir: Path, tmp_path: Path,
+                                                                         typicality: bool) -> None:
+    lab = Lab(tiny_model_dir, tmp_path, temperature=0.7, top_p=0.8)
+    batch = lab.trainer.build_batch(lab.generate(range(4), 1, seed=3))
+    with torch.no_grad():
+        scored = completion_logits(lab.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                   temperature=0.7)
+    whole = score_logits(scored, top_p=0.8, typicality=typicality)
+    by_row = score_logits(scored, top_p=0.8, typicality=typicality, chunk_elements=1)  # one row per chunk
+    assert torch.equal(whole.sampling_logprobs, by_row.sampling_logprobs)
+    # By hand, in float64: log(p[token] / mass of the tokens whose mass ranked above is < top_p).
+    p = torch.softmax(scored.logits.double(), dim=-1)
+    ranked = p.sort(dim=-1, descending=True).values
+    mass = torch.where((ranked.cumsum(-1) - ranked) < 0.8, ranked, 0).sum(-1)
+    expected = scored.spread((p.gather(-1, scored.targets.unsqueeze(-1)).squeeze(-1) / mass).log().float())
+    assert torch.allclose(whole.sampling_logprobs, expected, atol=1e-5)
+    keep = scored.keep
+    lift = (whole.sampling_logprobs - whole.logprobs)[keep]
+    assert bool((lift > 0).all()) and float(lift.max()) <= -math.log(0.8) + 1e-5  # mass is in [top_p, 1)
+    assert torch.equal(whole.sampling_logprobs[~keep], torch.zeros_like(whole.logprobs[~keep]))
+    # The identity at top_p = 1: the very tensor, so nothing changes numerically there.
+    plain = score_logits(scored, top_p=1.0, typicality=typicality)
+    assert plain.sampling_logprobs is plain.logprobs
+    assert plain.rows(torch.tensor([0, 2])).sampling_logprobs is not None
 
 
 def test_score_tokens_matches_token_logprobs_and_honest_z_is_small(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -376,7 +450,7 @@ def test_score_tokens_matches_token_logprobs_and_honest_z_is_small(tiny_model_di
                           temperature=1.0)
     with torch.no_grad():
         plain = token_logprobs(lab.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    assert torch.equal(scores.logprobs, plain)
+    assert torch.equal(scores.logprobs, plain) and scores.sampling_logprobs is scores.logprobs
     per_row, together = typicality_z(scores, batch.completion_mask)
     assert per_row.shape == (64,) and float(per_row.max()) < 6 and abs(float(together)) < 4
 
