@@ -35,7 +35,9 @@ CHROMIUM_TIMEOUT_S = 90.0
 VIRTUAL_TIME_MS = 6000  # page time Chromium runs before dumping: the first poll, then two more
 
 
-def _chromium() -> str:
+@pytest.fixture
+def chromium() -> str:
+    """The browser's path; asked for first, so a missing one skips before the swarm's model is built."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
         why = "chromium is not installed (Debian: `apt-get install chromium`, or `make system-deps` as root)"
@@ -151,9 +153,8 @@ def _artifacts(tmp_path: Path) -> Path:
 
 
 def test_live_page_shows_the_running_swarm_in_a_real_browser(
-    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+    chromium: str, local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    chromium = _chromium()
     # Steps padded to 0.5 s: a steady run that leaves CPU to the browser. (The tiny model's reward may
     # stay 0; the warm one would cost minutes of warm-up on a busy machine.)
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=100_000, min_step_s=0.5,
