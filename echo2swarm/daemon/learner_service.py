@@ -252,7 +252,7 @@ class LearnerService:
                 "t_bcast_s": _round(self.broadcast.t_bcast_s),
                 "bubble_ratio": round(waited / max(1e-9, waited + busy), 4),
                 "bubble_ratio_total": round(self.wait_s / max(1e-9, self.wait_s + self.busy_s), 4),
-                "staleness": [trained_version - g.version for g in groups],
+                "staleness": [trained_version - g.version for g in groups], "inflight_cap": intake.capacity,
                 "accepted": intake.accepted, "refused": dict(intake.refused), "dropped": dict(intake.buffer.dropped),
                 "leases": dict(intake.leases.stats), "delivered": dict(intake.delivered),
                 "tokens_per_s": round(stats["tokens"] / max(1e-9, time.monotonic() - step_started), 1),
