@@ -19,6 +19,7 @@ from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.arith import ArithTask
 from echo2swarm.tasks.base import Task
 from echo2swarm.tasks.math import MathTask
+from echo2swarm.tasks.poker import PokerTask
 
 __all__ = ["ENTRY_POINT_GROUP", "available_tasks", "get_task"]
 
@@ -27,7 +28,7 @@ logger = get_logger(__name__)
 ENTRY_POINT_GROUP = "echo2swarm.tasks"
 
 
-_BUILTINS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "math": MathTask}
+_BUILTINS: dict[str, Callable[..., Task]] = {"arith": ArithTask, "math": MathTask, "poker": PokerTask}
 
 
 def _plugins() -> dict[str, EntryPoint]:

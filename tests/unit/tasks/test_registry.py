@@ -58,7 +58,7 @@ def _install(monkeypatch: pytest.MonkeyPatch, *eps: object) -> list[str]:
 
 def test_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch)
-    assert available_tasks() == ["arith", "math"]
+    assert available_tasks() == ["arith", "math", "poker"]
     arith = get_task("arith", seed=5, max_operand=9)
     assert isinstance(arith, ArithTask) and (arith.seed, arith.max_operand) == (5, 9)
     math = get_task("math", path=sample_path(), eval_fraction=0.25)
@@ -67,7 +67,7 @@ def test_builtins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_unknown_name_lists_available(monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch, FakeEntryPoint("echo", make_echo))
-    with pytest.raises(ValueError, match="unknown task 'nope'.*arith, echo, math"):
+    with pytest.raises(ValueError, match="unknown task 'nope'.*arith, echo, math, poker"):
         get_task("nope")
 
 
@@ -85,7 +85,7 @@ def test_bad_options_name_the_task_and_its_parameters(monkeypatch: pytest.Monkey
 
 def test_entry_point_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
     groups = _install(monkeypatch, FakeEntryPoint("echo", make_echo))
-    assert available_tasks() == ["arith", "echo", "math"]
+    assert available_tasks() == ["arith", "echo", "math", "poker"]
     task = get_task("echo", size=7)
     assert isinstance(task, EchoTask) and task.eval_size() == 7
     assert task.reward(task.prompt(4).prompt_id, "4", finished=True) == 1.0
@@ -100,7 +100,7 @@ def test_a_real_entry_point_object_works(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_builtins_win_over_plugins_of_the_same_name(monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch, FakeEntryPoint("arith", make_echo))
-    assert available_tasks() == ["arith", "math"]
+    assert available_tasks() == ["arith", "math", "poker"]
     assert isinstance(get_task("arith"), ArithTask)
 
 
