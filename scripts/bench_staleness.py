@@ -2,7 +2,7 @@
 """Does staleness cost learning? GRPO on arith in a real local swarm, swept over the bound S.
 
     python scripts/bench_staleness.py [--staleness 0,1,2,4,6,11] [--seeds 2] [--steps 300]
-                                      [--forced 0,2,6] [--baseline] [--model DIR] [--png docs/bench_staleness.png]
+                                      [--forced 0,2,6] [--baseline 0] [--model DIR] [--png docs/bench_staleness.png]
 
 Every run is the demo's swarm (bootstrap, learner, 2 rollout peers on the transformers engine, separate
 processes on 127.0.0.1) training the same warmed-up tiny model (copied into each run) for the same
@@ -15,7 +15,7 @@ Modes, each over every S and seed:
   process, the real trainer (GRPOTrainer, today's defaults) and the real transformers engine; at
   step t the engine holds version max(1, t - S), so after the first S steps every group is exactly
   S versions old. Same task, model, batch and seeds as the swarm runs.
-- ``old`` (``--baseline``): the defaults before the staleness work (oldest-first schedule, in-flight
+- ``old`` (``--baseline S,...``): the defaults before the staleness work (oldest-first schedule, in-flight
   (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check; with
   ``--forced``, also ``forced-old``: forced staleness with one update a step.
 
@@ -231,7 +231,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--staleness", default="0,1,2,4,6,11")
     parser.add_argument("--forced", default="0,2,6", help="S values for the forced-staleness mode ('' for none)")
-    parser.add_argument("--baseline", action="store_true", help="also run the old defaults at every S")
+    parser.add_argument("--baseline", default="", help="S values at which to also run the old defaults "
+                        "(swarm, and forced where that S is in --forced); '' for none")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--peers", type=int, default=2)
@@ -263,9 +264,9 @@ def main() -> int:
     forced = [int(s) for s in args.forced.split(",") if s]
     plans: list[tuple[str, int, dict[str, Any]]] = [("new", s, {}) for s in sweep]
     plans += [("forced", s, {}) for s in forced]
-    if args.baseline:
-        plans += [("old", s, OLD_DEFAULTS) for s in sweep]
-        plans += [("forced-old", s, OLD_OBJECTIVE) for s in forced]
+    baseline = [int(s) for s in args.baseline.split(",") if s]
+    plans += [("old", s, OLD_DEFAULTS) for s in sweep if s in baseline]
+    plans += [("forced-old", s, OLD_OBJECTIVE) for s in forced if s in baseline]
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
     print(f"{'run':<22} {'last50':>7} {'first20':>7} {'acc':>13} {'stale mean':>10} {'at S':>6} "
           f"{'dropped':>7} {'clip':>6} {'gap':>6} {'bubble':>6} {'wall':>6}", flush=True)
