@@ -273,8 +273,9 @@ class GRPOTrainer:
         kept = batch.completion_mask.bool().any(dim=1)
         stale_rows = kept & (batch.versions < current_version)
         # Decoupled PPO (clip against the proximal policy, re-weight by the behaviour importance
-        # weight) when some groups are stale or the step makes several updates.
-        decoupled = bool(stale_rows.any()) or not one_update
+        # weight) when some groups are stale, the step makes several updates, or tokens were drawn
+        # from a top-p nucleus (the behaviour logprob is then the renormalised one, not the policy's).
+        decoupled = bool(stale_rows.any()) or not one_update or config.top_p < 1.0
         if one_update:
             step_tokens = float(batch.completion_mask.sum())
             updates = [self._objective(logprobs, proximal if decoupled else None, batch, step_tokens, current_version)]

@@ -44,7 +44,7 @@ def make_groups(trainer: GRPOTrainer, *, n_groups: int = 3, group_size: int = 4,
 
 def test_cpu_step_matches_the_plain_cpu_recipe(tiny_model_dir: Path) -> None:
     """device="cpu" with one update per step trains exactly as the plain recipe: same loss, same weights."""
-    config = TrainConfig(device="cpu", lr=1e-3, minibatches=1)
+    config = TrainConfig(device="cpu", lr=1e-3, minibatches=1, ppo_epochs=1)
     trainer = GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED)
     assert trainer.device == torch.device("cpu")
     groups = make_groups(trainer)

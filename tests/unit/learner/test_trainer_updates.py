@@ -34,7 +34,7 @@ def _with_own_logprobs(trainer: GRPOTrainer, groups, shift: float = 0.0):
 
 @pytest.mark.timeout(120)
 def test_one_update_never_clips_and_several_do(tiny_model_dir: Path) -> None:
-    single = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", lr=5e-2, minibatches=1), verify=UNVERIFIED)
+    single = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", lr=5e-2, minibatches=1, ppo_epochs=1), verify=UNVERIFIED)
     groups = _with_own_logprobs(single, make_groups(single, n_groups=4))
     stats = single.step(groups, current_version=1)
     assert stats["updates"] == 1
@@ -52,7 +52,7 @@ def test_one_update_never_clips_and_several_do(tiny_model_dir: Path) -> None:
 def test_minibatch_updates_clip_against_the_step_start_policy(tiny_model_dir: Path) -> None:
     """Two minibatches, one epoch: the second update's ratio is taken against the policy before the
     first update (the proximal policy), which we recompute by hand from a copy of the model."""
-    config = TrainConfig(device="cpu", lr=1e-2, minibatches=2, seed=3)
+    config = TrainConfig(device="cpu", lr=1e-2, minibatches=2, ppo_epochs=1, seed=3)
     trainer = GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED)
     groups = _with_own_logprobs(trainer, make_groups(trainer, n_groups=2))
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -72,7 +72,7 @@ def test_minibatch_updates_clip_against_the_step_start_policy(tiny_model_dir: Pa
 
 @pytest.mark.timeout(120)
 def test_offpolicy_gap_measured_and_groups_beyond_the_limit_dropped(tiny_model_dir: Path) -> None:
-    base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", minibatches=1), verify=UNVERIFIED)
+    base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", minibatches=1, ppo_epochs=1), verify=UNVERIFIED)
     groups = make_groups(base, n_groups=3)
     near = _with_own_logprobs(base, groups[:2], shift=-0.05)  # behaviour 0.05 nats below proximal
     far = _with_own_logprobs(base, groups[2:], shift=-1.5)
@@ -81,7 +81,7 @@ def test_offpolicy_gap_measured_and_groups_beyond_the_limit_dropped(tiny_model_d
     assert 0.05 < stats["offpolicy_gap_mean"] < 1.5
     assert stats["offpolicy_dropped"] == 0 and stats["groups_trained"] == 3
 
-    limited = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", minibatches=1, max_offpolicy_gap=0.5),
+    limited = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", minibatches=1, ppo_epochs=1, max_offpolicy_gap=0.5),
                           verify=UNVERIFIED)
     stats = limited.step(near + far, current_version=2)
     assert stats["offpolicy_dropped"] == 1 and stats["groups_trained"] == 2
@@ -90,7 +90,7 @@ def test_offpolicy_gap_measured_and_groups_beyond_the_limit_dropped(tiny_model_d
 
 @pytest.mark.timeout(120)
 def test_single_update_matches_grpo_loss_with_the_configured_options(tiny_model_dir: Path) -> None:
-    config = TrainConfig(device="cpu", minibatches=1, loss_type="dr_grpo", is_mode="mask", is_level="sequence")
+    config = TrainConfig(device="cpu", minibatches=1, ppo_epochs=1, loss_type="dr_grpo", is_mode="mask", is_level="sequence")
     trainer = GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED)
     groups = make_groups(trainer, n_groups=2)
     batch = trainer.build_batch(groups)

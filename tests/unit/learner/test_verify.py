@@ -52,7 +52,8 @@ class Lab:
                  group_size: int = 8, minibatches: int = 2):
         self.model_dir, self.root = model_dir, root
         self.config = TrainConfig(device="cpu", lr=lr, temperature=temperature, top_p=top_p, group_size=group_size,
-                                  threads=1, minibatches=minibatches)
+                                  threads=1, minibatches=minibatches,
+                                  ppo_epochs=1 if minibatches == 1 else 2)
         self.trainer = GRPOTrainer(model_dir, self.config, verify=verify or VerifyConfig(seed=0),
                                    weights_of=self.weights_of)
         self.engine = TransformersEngine(model_dir, device="cpu", threads=1, dtype=engine_dtype)
