@@ -23,7 +23,9 @@ the staleness of a group of version v)::
             b finite ──────────────────────────────────────────────── else "nonfinite_logprob"
             max |b - q| <= exact_tolerance + k · token_gap_per_version   else "token_gap"
             mean |b - q| <= exact_mean_tolerance + k · mean_gap_per_version else "mean_gap"
-            (k = 0: q IS the behaviour version's logprob, so this is the exact check: "exact_mismatch")
+            (k = 0: q IS the behaviour version's logprob, so this is the exact check: "exact_mismatch";
+            k > 0: a group past these bounds gets the exact check below, which decides; the
+            "token_gap"/"mean_gap" refusal stands only when its version's weights are gone)
       └─► exact check: every group of version t (free: q above); of older groups a random
             `sample_fraction`, plus every suspicious one (gap above `suspect_fraction` of its
             bound, typicality over the threshold under q, or a peer refused in the last
@@ -297,6 +299,11 @@ class Verifier:
             elif mean_gap > self.mean_bound(k):
                 p.reason = "exact_mismatch" if k == 0 else "mean_gap"
                 p.detail = f"mean |b - q| = {mean_gap:.3g} > {self.mean_bound(k):.3g} (staleness {k})"
+            if k > 0 and p.reason is not None:
+                # The policy may have moved further than the per-version slack allows (several
+                # updates a step, a high lr): the group's own version decides, where the learner has
+                # it; the reason above stands only when it does not.
+                p.want_exact = True
             if excess is not None:
                 p.z = self._group_z(excess, variance, r)
             if k == 0:
@@ -342,6 +349,7 @@ class Verifier:
                 local = torch.arange(start, start + len(p.rows))
                 start += len(p.rows)
                 p.exact_done = True
+                p.reason, p.detail = None, ""  # a failed proxy check is superseded by the exact one
                 max_gap = float(sub_figures[0, local].max())
                 mean_gap = float(sub_figures[1, local].sum() / sub_figures[2, local].sum().clamp(min=1))
                 if max_gap > cfg.exact_tolerance:

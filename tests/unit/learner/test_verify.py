@@ -174,12 +174,13 @@ def test_absurd_logprobs_are_refused_and_the_weights_stay_finite(tiny_model_dir:
     assert stats["sequences"] == 4 * 8 and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
     assert all_finite(lab.trainer)  # and v2 was signed-ready: publish() ran weights_bytes()
 
-    # One version old, the absurd group is refused by its gap to the current policy.
+    # One version old, the absurd group is past its gap to the current policy, and the exact check
+    # under its own version (which the learner still has) refuses it.
     older = lab.generate(range(10, 14), 1, seed=2)
     stale_bad = lab.group(older[0].prompt_id, 1, older[0].completions,
                           [[-1e30] * len(c) for c in older[0].completions], older[0].finish_reasons, "mallory")
     stats = lab.train(older[1:] + [stale_bad] + lab.generate(range(20, 22), 2, seed=3))
-    assert stats["refused_groups"] == [("mallory", stale_bad.prompt_id, "token_gap")]
+    assert stats["refused_groups"] == [("mallory", stale_bad.prompt_id, "exact_mismatch")]
     assert stats["stale_sequences"] == 3 * 8 and stats["skipped_nonfinite"] == 0
     assert all_finite(lab.trainer)
 
@@ -226,6 +227,16 @@ def test_exact_check_catches_logprobs_of_another_version(tiny_model_dir: Path, t
     by_tensors = Verifier(verifier.config, temperature=1.0, weights_of=lambda v: load_file(
         lab.dir(v) / "model.safetensors"), make_spare=lab.trainer._spare_model)
     assert lab.check(by_tensors, from_v2 + mislabelled[:1]).keep == [True] * 4 + [False]
+    # Honest groups whose version the policy has moved far from (bounds tight, no sampling): past the
+    # proxy bounds, they get the exact check, which they pass; without their version's weights the
+    # proxy refusal stands.
+    tight = dict(sample_fraction=0.0, token_gap_per_version=0.0, mean_gap_per_version=0.0,
+                 exact_tolerance=0.05, exact_mean_tolerance=0.01, typicality_z=None, spare_models=1)
+    result = lab.check(lab.verifier(**tight), from_v1[:4])
+    assert result.keep == [True] * 4 and result.exact == 4
+    result = lab.check(Verifier(VerifyConfig(seed=0, **tight), temperature=1.0), from_v1[:4])
+    assert result.keep == [False] * 4 and set(result.refused) <= {"token_gap", "mean_gap"}
+
     # Without any weights for older versions nothing is refused for want of a check.
     blind = Verifier(verifier.config, temperature=1.0)
     result = lab.check(blind, mislabelled)
