@@ -88,8 +88,8 @@ class TrainConfig(_Section):
     )
     inflight_headroom: float = Field(
         1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x (groups the learner "
-        "trains while one lease is out: R x L_gen / T_train, measured), and never above (S + 1) x R. Lower: fresher "
-        "rollouts, more bubble.",
+        "trains while one lease is generated: R x work seconds per lease / T_train, measured), and never above "
+        "(S + 1) x R. Lower: fresher rollouts, more bubble.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model kept).")
     kl_estimator: Literal["k3_is", "k3"] = Field(

@@ -37,6 +37,7 @@ class LearnerActivation:
         self._t_bcast_source = t_bcast
         self.t_train = Ewma(config.ewma_alpha)
         self.l_gen = Ewma(config.ewma_alpha)
+        self.l_work = Ewma(config.ewma_alpha)  # seconds a peer worked on one lease (no queueing)
         self.delivered: dict[str, Ewma] = {}
         self.controller = ActivationController(config.hysteresis)
         self.planned = False  # a plan is in force (else every peer may work)
@@ -69,6 +70,7 @@ class LearnerActivation:
             return
         self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(rollouts / seconds)
         self.l_gen.add(seconds if latency is None else latency)
+        self.l_work.add(seconds)
 
     def on_lapse(self, peer: str) -> None:
         """A lease of `peer` lapsed undelivered: its delivered rate takes a zero sample. A peer that
@@ -78,11 +80,14 @@ class LearnerActivation:
 
     def inflight_target(self, groups_per_step: int, headroom: float) -> int | None:
         """R for the next step plus, with `headroom`, the groups the learner trains while one lease is
-        out (Little's law: R / T_train groups a second for L_gen seconds). None until measured."""
-        t_train, l_gen = self.t_train.value, self.l_gen.value
-        if t_train is None or l_gen is None:
+        being generated (Little's law: R / T_train groups a second for the seconds a peer works on a
+        lease). The work time, not the latency from issue to delivery: that includes the time a lease
+        waits behind the peer's others, which grows with what is in flight and would feed back into
+        the target until it reached the staleness bound. None until measured."""
+        t_train, work = self.t_train.value, self.l_work.value
+        if t_train is None or work is None:
             return None
-        return groups_per_step + math.ceil(headroom * groups_per_step * l_gen / max(t_train, 1e-3))
+        return groups_per_step + math.ceil(headroom * groups_per_step * work / max(t_train, 1e-3))
 
     def inputs(self) -> CapacityInputs | None:
         if self.t_train.value is None or self.t_train.samples < self.config.min_steps:

@@ -16,8 +16,8 @@ reports the peer's delivered rollouts, the seconds it spent on them and the leas
 gate's `on_delivery`, which the plan measures µ and L_gen by.
 
 Back-pressure: groups open in leases plus groups in the buffer's staleness window never exceed
-the in-flight cap: R + headroom · R · L_gen / T_train groups (what keeps the learner busy while a
-lease is out, measured by the gate; `train.inflight_headroom`), and never more than (S + 1) · R, so
+the in-flight cap: R + headroom · R · W / T_train groups (what keeps the learner busy while a
+lease is generated, W the peers' work time per lease, measured by the gate; `train.inflight_headroom`), and never more than (S + 1) · R, so
 peers cannot pile up work that will only go stale and staleness stays well below S; beyond that
 a peer is told to wait (`LeaseWait`) and asks again shortly. A peer may ask to be held
 (`LeaseRequest.wait_s`, long polling): its request then waits, up to `leases.max_hold_s`, until

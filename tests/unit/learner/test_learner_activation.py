@@ -115,7 +115,7 @@ def test_inflight_target_from_measured_latency_and_step_time():
     assert act.inflight_target(8, 1.5) is None
     act.on_step(0.5)
     assert act.inflight_target(8, 1.5) is None  # no lease delivered yet
-    act.on_delivery("a", 32, 0.8, latency=1.0)
-    # 8 for the next step + 1.5 x 8 groups/step x (1.0 s / 0.5 s per step) = 8 + 24
+    act.on_delivery("a", 32, 1.0, latency=3.0)  # worked 1 s; waited 2 s behind its other leases
+    # 8 for the next step + 1.5 x 8 groups/step x (1.0 s of work / 0.5 s per step) = 8 + 24
     assert act.inflight_target(8, 1.5) == 32
     assert act.inflight_target(8, 1.0) == 24
