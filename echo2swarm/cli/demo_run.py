@@ -1,9 +1,12 @@
 """The demo's body (heavy imports allowed here; `cli.demo` imports it only when the demo runs).
 
-    tiny model + supervised warm-up on `arith` ─► greedy accuracy before
+    tiny model + supervised warm-up on the task (`arith` or `poker`) ─► greedy score on held-out prompts before
     bootstrap ─► learner (GRPO, publishes a signed version per step) ─► N rollout peers (--trust key.pub)
     watch: the learner's metrics.jsonl (step, reward, version, bubble) until it finishes
-    after: greedy accuracy of the final model, summary, reward.png; every daemon stopped by pid
+    after: greedy score of the final model, summary, reward.png; every daemon stopped by pid
+
+The greedy score is the mean task reward of greedy answers to the task's eval prompts: accuracy
+for arith, the share of the best action's EV range for poker (tasks/poker.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,34 @@ from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
 
+@dataclass(frozen=True)
+class DemoTask:
+    """What the demo needs to know of a task the tiny model can learn."""
+
+    max_new_tokens: int
+    """Longest answer plus EOS, in the tiny model's characters."""
+    score: str
+    """What the mean reward of greedy answers is called for this task."""
+    warmup_steps: int
+    """The warm-up's default step cap."""
+    warmup_accuracy: float | None
+    """The warm-up's default target (greedy score on train prompts); None: run every step."""
+
+
+DEMO_TASKS: dict[str, DemoTask] = {
+    "arith": DemoTask(max_new_tokens=4, score="greedy accuracy", warmup_steps=WARMUP_STEPS,
+                      warmup_accuracy=WARMUP_ACCURACY),
+    # "raise" + EOS. No score target: folding everything already scores ~0.6 and calling
+    # everything ~0.7, so the warm-up runs a fixed 300 steps, by which the model answers with all
+    # three words, and RL starts from a policy that explores them.
+    "poker": DemoTask(max_new_tokens=6, score="greedy reward", warmup_steps=300, warmup_accuracy=None),
+}
+
+
 @dataclass
 class DemoOptions:
     run_dir: Path
+    task: str = "arith"
     rollout_peers: int = 2
     swarm: str = "demo"
     steps: int = 700
@@ -44,15 +72,15 @@ def _learner_toml(opts: DemoOptions, model_dir: Path, key_path: Path) -> Path:
     path.write_text(
         'role = "learner"\n'
         f'[publish]\nmodel = "{model_dir}"\npolicy_key = "{key_path}"\n'
-        f'[train]\ntask = "arith"\nsteps = {opts.steps}\nstaleness = {opts.staleness}\n'
+        f'[train]\ntask = "{opts.task}"\nsteps = {opts.steps}\nstaleness = {opts.staleness}\n'
         f"prompts_per_step = {opts.prompts_per_step}\ngroup_size = {opts.group_size}\n"
-        f"max_new_tokens = 4\nlr = 3e-4\nthreads = {opts.threads}\ncheckpoint_every = 50\n{target}"
+        f"max_new_tokens = {DEMO_TASKS[opts.task].max_new_tokens}\nlr = 3e-4\nthreads = {opts.threads}\ncheckpoint_every = 50\n{target}"
         '[leases]\nmax_prompts = 8\ntimeout_s = 20.0\n'
     )
     return path
 
 
-def _accuracy(model_dir: Path) -> float:
+def _score(model_dir: Path, task: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,10 +89,10 @@ def _accuracy(model_dir: Path) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return greedy_accuracy(model, tokenizer, get_task("arith", seed=0), max_new_tokens=4)
+    return greedy_accuracy(model, tokenizer, get_task(task, seed=0), max_new_tokens=DEMO_TASKS[task].max_new_tokens)
 
 
-def plot_reward(records: list[dict[str, Any]], out: Path) -> Path:
+def plot_reward(records: list[dict[str, Any]], out: Path, task: str = "arith") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +113,7 @@ def plot_reward(records: list[dict[str, Any]], out: Path) -> Path:
     ax2.set_ylabel("bubble ratio (learner waiting)")
     ax2.set_ylim(0, 1)
     fig.legend(loc="upper left", bbox_to_anchor=(0.08, 0.92))
-    ax.set_title("echo2swarm demo: GRPO on arith over a local swarm")
+    ax.set_title(f"echo2swarm demo: GRPO on {task} over a local swarm")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
@@ -101,18 +129,21 @@ def run_demo(opts: DemoOptions) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if opts.task not in DEMO_TASKS:
+        raise ValueError(f"the demo runs the tasks {', '.join(DEMO_TASKS)}, not {opts.task!r}")
+    score = DEMO_TASKS[opts.task].score
     console = Console()
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]echo2swarm demo[/bold] in {run_dir} (logs: {run_dir}/*/daemon.log)")
     model_dir = run_dir / "model"
     if not (model_dir / "config.json").exists():
-        goal = "" if opts.warmup_accuracy is None else f" or greedy accuracy {opts.warmup_accuracy:g} on train prompts"
-        with console.status(f"tiny Qwen3-style model: supervised warm-up on arith (up to {opts.warmup_steps} steps{goal})"):
-            write_tiny_model(model_dir, seed=0, task="arith", warmup_steps=opts.warmup_steps,
+        goal = "" if opts.warmup_accuracy is None else f" or {score} {opts.warmup_accuracy:g} on train prompts"
+        with console.status(f"tiny Qwen3-style model: supervised warm-up on {opts.task} (up to {opts.warmup_steps} steps{goal})"):
+            write_tiny_model(model_dir, seed=0, task=opts.task, warmup_steps=opts.warmup_steps,
                              warmup_accuracy=opts.warmup_accuracy)
-    before = _accuracy(model_dir)
-    console.print(f"  model {model_dir}: greedy accuracy on held-out arith prompts [bold]{before:.3f}[/bold]")
+    before = _score(model_dir, opts.task)
+    console.print(f"  model {model_dir}: {score} on held-out {opts.task} prompts [bold]{before:.3f}[/bold]")
     key_path = run_dir / "learner.key"
     if not key_path.exists():
         PolicyKey.generate().save(key_path)
@@ -143,14 +174,14 @@ def run_demo(opts: DemoOptions) -> int:
         final = run_dir / "learner" / "run" / "final"
         if not records or not (final / "config.json").exists():
             raise RuntimeError("the learner did not finish training")
-        after = _accuracy(final)
-        png = plot_reward(records, run_dir / "reward.png")
-        _summary(console, records, before, after, png, time.monotonic() - started)
+        after = _score(final, opts.task)
+        png = plot_reward(records, run_dir / "reward.png", opts.task)
+        _summary(console, records, f"{score} (held-out {opts.task})", before, after, png, time.monotonic() - started)
         return 0
     except (TimeoutError, RuntimeError) as e:
         console.print(f"[red]demo failed:[/red] {e}")
         for d in daemons:
-            console.print(f"--- {d.name} log tail ---\n{d.log_tail(15)}")
+            console.print(f"--- {d.name} log tail ---\n{d.log_tail(15)}", markup=False)  # logs hold [/ip4/...]
         return 1
     finally:
         timings = [(d.name, d.terminate()) for d in reversed(daemons)]
@@ -180,7 +211,8 @@ def _follow(console: Console, learner: DaemonProcess, metrics: Path, opts: DemoO
     return records
 
 
-def _summary(console: Console, records: list[dict[str, Any]], before: float, after: float, png: Path, wall: float) -> None:
+def _summary(console: Console, records: list[dict[str, Any]], label: str, before: float, after: float, png: Path,
+             wall: float) -> None:
     from rich.table import Table
 
     first = records[: min(20, len(records))]
@@ -188,7 +220,7 @@ def _summary(console: Console, records: list[dict[str, Any]], before: float, aft
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)  # noqa: E731
     end = records[-1]
     table = Table(title="demo summary", show_header=False, title_justify="left")
-    table.add_row("greedy accuracy (held-out arith)", f"{before:.3f} -> [bold]{after:.3f}[/bold] ({after - before:+.3f})")
+    table.add_row(label, f"{before:.3f} -> [bold]{after:.3f}[/bold] ({after - before:+.3f})")
     table.add_row("mean reward, first 20 -> last 20 steps", f"{mean(first):.3f} -> {mean(last):.3f}")
     table.add_row("steps / versions published", f"{end['step']} / {end['published_version']}")
     table.add_row("learner bubble ratio", f"{end['bubble_ratio_total']:.3f}")

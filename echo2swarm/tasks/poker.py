@@ -1,7 +1,7 @@
 """Poker, ECHO-2's second task: one decision in a no-limit hold'em spot, rewarded by its chip EV.
 
     pool of spots (data/poker_spots.jsonl; built with pokerkit by tasks/poker_spots.py)
-    prompt:     "hand 9d 2c board tc jd 3c pot 16 call 4 stack 138 villain top 40 action:"
+    prompt:     "hand jd 9s board kd ks js 7d 3s pot 120 call 60 price 33 stack 224 villain top 20 action:"
     completion: "fold" | "call" | "raise"  (case, blanks and a final "." ignored), then EOS
     reward:     the action's chip EV against the stated range, mapped linearly onto [0, 1]:
                 1 for the EV-best action, 0 for the worst; anything else (or no EOS) 0.0
@@ -35,6 +35,11 @@ ACTIONS: tuple[str, ...] = ("fold", "call", "raise")
 STREETS: tuple[str, ...] = ("preflop", "flop", "turn", "river")
 _CARDS = re.compile(r"[2-9tjqka][cdhs]( [2-9tjqka][cdhs])*")
 _BOARD_SIZE = {"preflop": 0, "flop": 3, "turn": 4, "river": 5}
+_RANK_ORDER = "akqjt98765432"
+
+
+def _ranked(cards: str) -> str:
+    return " ".join(sorted(cards.split(), key=lambda c: (_RANK_ORDER.index(c[0]), c[1])))
 
 
 def spots_path() -> Path:
@@ -49,9 +54,9 @@ class Spot:
     Example::
 
         spot = PokerTask().spot(0, "eval")
-        spot.prompt()        # 'hand .. .. board ... pot 16 call 4 stack 138 villain top 40 action:'
+        spot.prompt()        # 'hand td 7h board none pot 10 call 6 price 38 stack 198 villain top 15 action:'
         spot.best_action()   # 'fold'
-        spot.rewards()       # {'fold': 1.0, 'call': 0.9, 'raise': 0.0}
+        spot.rewards()       # {'fold': 1.0, 'call': 0.85, 'raise': 0.0}
     """
 
     split: str
@@ -74,9 +79,15 @@ class Spot:
     evs: dict[str, float]
     """Chip EV of each of `ACTIONS`, relative to folding."""
 
+    def price(self) -> int:
+        """The equity a call needs, in % (rounded): call / (pot + call)."""
+        return round(100 * self.call / (self.pot + self.call))
+
     def prompt(self) -> str:
-        return (f"hand {self.hero} board {self.board or 'none'} pot {self.pot} call {self.call} "
-                f"stack {self.stack} villain top {self.range_pct} action:")
+        """Cards high rank first (the order of hole cards and of board cards carries nothing), then
+        the money and the villain's range."""
+        return (f"hand {_ranked(self.hero)} board {_ranked(self.board) or 'none'} pot {self.pot} call {self.call} "
+                f"price {self.price()} stack {self.stack} villain top {self.range_pct} action:")
 
     def best_action(self) -> str:
         """The EV-best action; ties go to the more passive one (fold, then call)."""

@@ -123,6 +123,10 @@ def test_task_prompts_answers_and_held_out_split() -> None:
     other = PokerTask(seed=4)
     assert [task.prompt(i).text for i in range(50)] != [other.prompt(i).text for i in range(50)]
     assert [task.prompt(i, "eval") for i in range(400)] == [other.prompt(i, "eval") for i in range(400)]
+    # Cards high rank first, the price a call needs (6 / 16 = 38 %), the stated range.
+    assert task.prompt(0, "eval").text == ("hand td 7h board none pot 10 call 6 price 38 stack 198 villain top 15 "
+                                           "action:")
+    assert task.spot(1, "eval").board == "3s ks kd js 7d" and "board kd ks js 7d 3s " in task.prompt(1, "eval").text
     # Prompts fit the tiny model (128 positions, answer and EOS included); ids carry no answer.
     p = task.prompt(7)
     assert p.prompt_id == "train:7" and p.text.endswith(" action:") and max(map(len, train_prompts)) <= 100
