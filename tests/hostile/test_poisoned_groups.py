@@ -25,7 +25,8 @@ from safetensors.numpy import load_file
 from echo2swarm.policy.store import VersionStore
 from echo2swarm.wire.work import CompletionMsg, Lease
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+# 900 s: the first test of a session to ask for warm_model_dir builds it (minutes on a busy 2-core box).
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 
 
 def _banned(info_url: str) -> dict[str, str]:

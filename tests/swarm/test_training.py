@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+# 900 s: the first test of a session to ask for warm_model_dir builds it (minutes on a busy 2-core box).
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
 
 
