@@ -144,7 +144,7 @@ def test_a_learner_without_http_still_disseminates_over_libp2p(
     assert card["chunk_url"] is None
 
 
-@pytest.mark.timeout(600)  # may build the session's warm model (a few minutes on a busy 2-core box)
+@pytest.mark.timeout(900)  # may build the session's warm model (minutes on a busy 2-core box)
 def test_a_rollout_peer_keeps_generating_while_it_fetches_the_next_version(
     local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
