@@ -52,8 +52,11 @@ def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
         return [CompletionMsg(token_ids=ids, logprobs=[-1e30] * len(ids), finish_reason="stop")] * n
 
     def fabricated(prompt, n):  # the right answer with a made-up constant logprob, no model run
+        # -3 nats a token: wrong by more than the exact tolerance (1 nat) whatever the policy now gives
+        # the right answer. A constant close to the truth (-0.05 once the policy is confident) is within
+        # tolerance and harmless (docs/protocol.md §13): it says what the policy says.
         ids = answer(prompt)
-        return [CompletionMsg(token_ids=ids, logprobs=[-0.05] * len(ids), finish_reason="stop")] * n
+        return [CompletionMsg(token_ids=ids, logprobs=[-3.0] * len(ids), finish_reason="stop")] * n
 
     async def attacks() -> list[tuple[str, int]]:
         out = []
