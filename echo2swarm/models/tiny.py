@@ -134,7 +134,7 @@ def build_tiny_model(
 
 def write_tiny_model(
     out_dir: str | os.PathLike[str], seed: int = 0, *, task: str | None = None, warmup_steps: int = 0,
-    warmup_accuracy: float | None = None, **config_overrides: Any,
+    warmup_accuracy: float | None = None, task_options: dict[str, Any] | None = None, **config_overrides: Any,
 ) -> pathlib.Path:
     """Write a tiny model as a standard Hugging Face directory and return its path.
 
@@ -145,7 +145,8 @@ def write_tiny_model(
     the model first gets a short seeded supervised warm-up on that task: RL
     post-training starts from a model that sometimes answers right; with ``warmup_accuracy`` too,
     ``warmup_steps`` is a cap and the warm-up stops once greedy accuracy on train prompts reaches
-    it (how many steps that takes varies with the CPU: see models/warmup.py). ``config_overrides`` go to
+    it (how many steps that takes varies with the CPU: see models/warmup.py); ``task_options`` are the
+    task's own (as in ``[train] task_options``). ``config_overrides`` go to
     `tiny_config` (``hidden_size``, ``num_layers``, ``num_heads``): a larger model of the same family.
     """
     path = pathlib.Path(out_dir)
@@ -161,9 +162,10 @@ def write_tiny_model(
         from echo2swarm.models.warmup import supervised_warmup
         from echo2swarm.tasks.registry import get_task
 
+        warmup_task = get_task(task, seed=seed, **(task_options or {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            supervised_warmup(model, tokenizer, get_task(task, seed=seed), steps=warmup_steps, seed=seed,
+            supervised_warmup(model, tokenizer, warmup_task, steps=warmup_steps, seed=seed,
                               until_accuracy=warmup_accuracy)
         model.eval()
     model.save_pretrained(path)

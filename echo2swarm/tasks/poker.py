@@ -2,7 +2,8 @@
 
     pool of spots (data/poker_spots.jsonl; built with pokerkit by tasks/poker_spots.py)
     prompt:     "hand jd 9s board kd ks js 7d 3s pot 120 call 60 price 33 stack 224 villain top 20 action:"
-    completion: "fold" | "call" | "raise"  (case, blanks and a final "." ignored), then EOS
+    completion: "fold" | "call" | "raise", or "f" | "c" | "r"  (case, blanks and a final "." ignored),
+                then EOS; ``answers`` picks which the warm-up teaches (letters for the demo's tiny model)
     reward:     the action's chip EV against the stated range, mapped linearly onto [0, 1]:
                 1 for the EV-best action, 0 for the worst; anything else (or no EOS) 0.0
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.base import Prompt, check_index, format_prompt_id, parse_prompt_id
 
-__all__ = ["ACTIONS", "STREETS", "PokerTask", "Spot", "parse_action", "read_spots", "spots_path"]
+__all__ = ["ACTIONS", "ANSWER_FORMATS", "STREETS", "PokerTask", "Spot", "parse_action", "read_spots", "spots_path"]
 
 logger = get_logger(__name__)
 
@@ -141,11 +142,20 @@ def read_spots(path: str | Path) -> list[Spot]:
     return spots
 
 
+ANSWER_FORMATS: dict[str, dict[str, str]] = {
+    "words": {a: a for a in ACTIONS},
+    "letters": {a: a[0] for a in ACTIONS},
+}
+"""How the warm-up target (`PokerTask.answer`) spells each action. A character-level model spells
+"call" and "fold" with the same third letter, and RL drifts it to "cald"; one letter cannot."""
+
+_SPELLINGS = {spelling: action for format_ in ANSWER_FORMATS.values() for action, spelling in format_.items()}
+
+
 def parse_action(completion: str) -> str | None:
-    """``"fold"``, ``"call"`` or ``"raise"`` if that is all the completion says (case, surrounding
-    blanks and a final ``"."`` aside), else ``None``."""
-    text = completion.strip().lower().removesuffix(".").strip()
-    return text if text in ACTIONS else None
+    """The action the completion names, if that is all it says: ``"fold"`` / ``"f"``, ``"call"`` /
+    ``"c"``, ``"raise"`` / ``"r"`` (case, surrounding blanks and a final ``"."`` aside), else ``None``."""
+    return _SPELLINGS.get(completion.strip().lower().removesuffix(".").strip())
 
 
 class PokerTask:
@@ -160,9 +170,14 @@ class PokerTask:
 
     name = "poker"
 
-    def __init__(self, seed: int = 0, spots: str | Path | None = None, require_finished: bool = True):
+    def __init__(
+        self, seed: int = 0, spots: str | Path | None = None, require_finished: bool = True, answers: str = "words"
+    ):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if answers not in ANSWER_FORMATS:
+            raise ValueError(f"answers must be one of {', '.join(ANSWER_FORMATS)}, got {answers!r}")
+        self.answers = answers
         if not isinstance(require_finished, bool):
             raise ValueError(f"require_finished must be true or false, got {require_finished!r}")
         self.seed = seed
@@ -205,8 +220,8 @@ class PokerTask:
         return Prompt(prompt_id=format_prompt_id(split, index), text=self.spot(index, split).prompt())
 
     def answer(self, index: int, split: str = "train") -> str:
-        """The EV-best action: the warm-up's supervised target."""
-        return self.spot(index, split).best_action()
+        """The EV-best action, spelt as ``answers`` says: the warm-up's supervised target."""
+        return ANSWER_FORMATS[self.answers][self.spot(index, split).best_action()]
 
     def eval_size(self) -> int:
         return len(self._eval)
@@ -220,4 +235,5 @@ class PokerTask:
         return self._rewards[(spot.split, spot.index)][action]
 
     def __repr__(self) -> str:
-        return f"PokerTask(seed={self.seed!r}, spots={str(self.path)!r}, train={len(self._train)}, eval={len(self._eval)})"
+        return (f"PokerTask(seed={self.seed!r}, spots={str(self.path)!r}, answers={self.answers!r}, "
+                f"train={len(self._train)}, eval={len(self._eval)})")

@@ -37,11 +37,12 @@ def test_demo_runs_the_poker_task(tmp_path: Path) -> None:
     assert "greedy reward on held-out poker prompts" in flat and "greedy reward (held-out poker)" in flat, output
 
     config = tomllib.loads((run_dir / "learner.toml").read_text())
-    assert config["train"]["task"] == "poker" and config["train"]["max_new_tokens"] == 6
+    train = config["train"]
+    assert (train["task"], train["task_options"], train["max_new_tokens"]) == ("poker", {"answers": "letters"}, 2)
     records = read_metrics(run_dir / "learner" / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 7))
     # The learner scored the peers' completions with the poker task: rewards in [0, 1], not all
-    # zero (50 warm-up steps teach the model to answer with the words), nothing refused.
+    # zero (50 warm-up steps teach the model to answer with the letters), nothing refused.
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
     assert sum(r["reward_mean"] for r in records) > 0
     assert sum(records[-1]["refused"].values()) == 0

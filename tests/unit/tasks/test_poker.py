@@ -139,17 +139,22 @@ def test_reward_reads_the_action_and_zeroes_the_malformed(tmp_path: Path) -> Non
     train = Spot(**{**asdict(train), "split": "train"})
     task = PokerTask(spots=_pool(tmp_path / "pool.jsonl", [nuts, junk, train]))
     assert task.eval_size() == 2
-    for completion in ("raise", " Raise.", "RAISE\n", "raise."):
+    for completion in ("raise", " Raise.", "RAISE\n", "raise.", "r", " R."):
         assert task.reward("eval:0", completion, finished=True) == 1.0
     assert task.reward("eval:0", "call", finished=True) == pytest.approx(32 / 84)
     assert task.reward("eval:0", "fold", finished=True) == 0.0
     assert task.reward("eval:1", "fold", finished=True) == 1.0
-    for malformed in ("", " ", "r", "raises", "raise raise", "call or raise", "check", "bet", "all-in", "fold!",
-                      "\x00", "fold" * 40, "<eos>"):
+    for malformed in ("", " ", "ra", "raises", "raise raise", "call or raise", "check", "bet", "all-in", "fold!",
+                      "cald", "fc", "x", "\x00", "fold" * 40, "<eos>"):
         assert parse_action(malformed) is None
         assert task.reward("eval:1", malformed, finished=True) == 0.0
     assert task.reward("eval:1", "fold", finished=False) == 0.0  # cut at the token limit
     assert PokerTask(spots=task.path, require_finished=False).reward("eval:1", "fold", finished=False) == 1.0
+    # answers = "letters": the warm-up teaches one letter per action; words still count.
+    letters = PokerTask(spots=task.path, answers="letters")
+    assert [letters.answer(i, "eval") for i in range(2)] == ["r", "f"] and letters.answer(0) == "c"
+    assert [task.answer(i, "eval") for i in range(2)] == ["raise", "fold"]
+    assert letters.reward("eval:1", "f", finished=True) == letters.reward("eval:1", "fold", finished=True) == 1.0
     for bad_id in ("eval:2", "train", "x:0", "eval:-1"):
         with pytest.raises(ValueError):
             task.reward(bad_id, "fold", finished=True)
@@ -191,6 +196,6 @@ def test_bad_pools_name_the_file_and_line(tmp_path: Path) -> None:
     twice = _pool(tmp_path / "twice.jsonl", [Spot(**good), Spot(**good), Spot(**{**good, "split": "train"})])
     with pytest.raises(ValueError, match="two spots share a split and index"):
         PokerTask(spots=twice)
-    for bad in ({"seed": "0"}, {"require_finished": 1}):
+    for bad in ({"seed": "0"}, {"require_finished": 1}, {"answers": "emoji"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             PokerTask(**bad)  # type: ignore[arg-type]
