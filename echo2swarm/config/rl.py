@@ -23,7 +23,7 @@ class _Section(BaseModel):
 class TrainConfig(_Section):
     """GRPO on the learner. A step trains on `prompts_per_step` groups of `group_size` completions."""
 
-    task: str = Field("arith", description="Task adapter name (built-in: arith, math; others via entry points).")
+    task: str = Field("arith", description="Task adapter name (built-in: arith, math, poker; others via entry points).")
     task_options: dict[str, Any] = Field(default_factory=dict, description="Keyword options for the task adapter.")
     steps: int = Field(200, ge=1, description="Optimizer steps to run; the learner then writes the final model and exits.")
     reward_target: float | None = Field(
