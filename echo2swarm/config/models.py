@@ -334,6 +334,10 @@ class PublishConfig(StrictModel):
     model: Path | None = Field(None, description="Hugging Face model directory (safetensors) to publish and train.")
     policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
     chunk_size: int = Field(8 * MiB, description="Bytes per chunk (64 KiB .. 64 MiB); accepts '8MiB'.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="dtype of the published weights (what peers run): `auto` is the model directory's own; "
+        "the learner trains fp32 master weights and publishes their cast.",
+    )
     seeds: int = Field(
         2, ge=1, le=16,
         description="Peers the learner uploads each version to first (stripes of the broadcast plan); "

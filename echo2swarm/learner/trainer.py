@@ -391,16 +391,33 @@ class GRPOTrainer:
             "t_train_s": time.perf_counter() - started,
         }
 
-    def weights_bytes(self) -> bytes:
-        """The policy as safetensors bytes: fp32, copied to the CPU when training runs elsewhere.
+    def publish_dtype(self, setting: str) -> torch.dtype:
+        """`publish.dtype` as a torch dtype: ``auto`` is the model directory's own (config.json's
+        ``dtype``/``torch_dtype``; float32 when it names none)."""
+        if setting == "auto":
+            own = getattr(self.model.config, "dtype", None) or getattr(self.model.config, "torch_dtype", None)
+            setting = str(own).removeprefix("torch.") if own is not None else "float32"
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(setting)
+        if dtype is None:
+            raise ValueError(f"publish.dtype: the model's dtype {setting!r} is not one we publish; "
+                             "set publish.dtype to bfloat16, float16 or float32")
+        return dtype
 
-        Raises NonFiniteWeightsError (a ValueError) when any tensor holds a NaN or an inf: such
-        weights are never turned into bytes, so never signed, published or checkpointed.
+    def weights_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The policy's tensors on the CPU, cast to ``dtype`` (None: the fp32 master weights).
+
+        The cast is what a version publishes: what peers run and what their logprobs are measured
+        against. Raises NonFiniteWeightsError (a ValueError) when any tensor holds a NaN or an inf,
+        after the cast (fp32 values beyond float16's range become inf): such weights are never
+        turned into bytes, so never signed, published or checkpointed.
         """
-        state = unique_state_dict(self.model)
+        state = {name: t.to("cpu", dtype or t.dtype) for name, t in unique_state_dict(self.model).items()}
         check_finite(state)
-        tensors = {name: t.to("cpu") for name, t in state.items()}
-        return save_safetensors(tensors, metadata={"format": "pt"})
+        return state
+
+    def weights_bytes(self, dtype: torch.dtype | None = None) -> bytes:
+        """`weights_state(dtype)` as safetensors bytes (NonFiniteWeightsError if not finite)."""
+        return save_safetensors(self.weights_state(dtype), metadata={"format": "pt"})
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         # load_state_dict copies into the existing parameters, so CPU tensors land on self.device.
