@@ -22,14 +22,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,data,wandb]'
 	touch $(STAMP)
 
-# Debian packages the tests need: headless Chromium renders the learner's live page.
-# Installed only when missing (needs root); elsewhere the browser test skips and says why.
+# Debian packages the tests need: headless Chromium renders the learner's live page; iptables
+# (with ip and tc from iproute2) builds the WAN lab's NAT routers. Installed only when missing
+# (needs root); elsewhere those tests skip and say why.
 system-deps:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; \
-	  else echo "chromium missing: install it (apt-get install chromium) for the live-page browser test"; fi; }
+	@for pkg in chromium:chromium iptables:iptables ip:iproute2 tc:iproute2; do \
+	  cmd=$${pkg%%:*}; deb=$${pkg#*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || PATH="$$PATH:/usr/sbin:/sbin" command -v $$cmd >/dev/null 2>&1 || { \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$deb >/dev/null 2>&1 || \
+	      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$deb >/dev/null; }; \
+	    else echo "$$cmd missing: install it (apt-get install $$deb) for the tests that need it"; fi; }; \
+	done
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest tests -q -m "not vllm"
