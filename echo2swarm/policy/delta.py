@@ -7,16 +7,37 @@
 A delta is exact: it compares bit patterns, not values (so -0.0 vs 0.0 and NaN payloads are
 changes like any other), and rebuilding gives the same bytes as the learner's dense tensor.
 
-Format "e2s-delta/1" (a zstandard frame around):
+Format "e2s-delta/1": one zstandard frame (level `ZSTD_LEVEL`, single-threaded, content size in
+the frame header, no checksum) whose content is, all integers little-endian:
 
-    u32 magic "E2SD" | u16 format 1 | u32 n_tensors
-    per tensor, in name order:
-      u16 name_len | name (utf-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel | u64 n_changed
-      n_changed index gaps as LEB128 varints (first gap from -1: index = previous + gap)
-      n_changed XOR words (itemsize bytes each, little-endian): new = base XOR word
+    header     "E2SD" | u16 version = 1 | u32 n_tensors
+    table      per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
+                 u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel | u64 n_changed
+    positions  for each tensor in table order, for each changed item in index order: the gap
+               (index - previous index; the first gap counts from -1, so every gap is >= 1) as an
+               unsigned LEB128 varint in its shortest form (7 bits a byte, low bits first, high bit
+               set on every byte but the last)
+    values     itemsize byte planes: plane j (j = 0 .. 7) holds byte j (little-endian) of the value
+               word of every change of every tensor whose itemsize > j, tensors in table order,
+               changes in index order; planes in ascending j
+    nothing after the last plane.
 
-Pure: no network, no disk. Every length is bounded by what the base tensors say, so a hostile
-blob costs at most one decompression bounded by `max_bytes` and raises DeltaError.
+The value word of a change is zigzag(d), d = new_bits - base_bits modulo 2^(8*itemsize) read as a
+signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift),
+so a one-ulp step up or down (the common change at small learning rates) is the word 2 or 1 and the
+sign/exponent byte of a change is almost always zero. Every table entry says the base's numel and
+itemsize for that name, and n_changed <= numel. The zstandard bytes are libzstd's at that level; any
+implementation that writes the same content rebuilds the same tensors, and a version's hashes cover
+the resulting tensors, not the frame.
+
+Why this layout, measured with scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained
+by GRPOTrainer (fp32 master, AdamW, published in bf16; docs/benchmarks.md, "Delta versions"): see
+`ENCODING_NOTES` below for the table of alternatives.
+
+Pure: no network, no disk, no per-item Python loops (numpy throughout). Every length is bounded by
+what the base tensors say: the frame must declare its content size, at most `max_delta_bytes(base)`,
+before anything is decompressed; a hostile blob costs at most that allocation and raises DeltaError
+(`reason`: "malformed", "format", "wrong_base" or "too_large").
 """
 
 from __future__ import annotations
@@ -29,11 +50,20 @@ import numpy as np
 import torch
 import zstandard
 
+__all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "encode_delta", "max_delta_bytes",
+           "tensor_bits", "tensor_sha256"]
+
 DELTA_FORMAT = "e2s-delta/1"
+ZSTD_LEVEL = 3
 _MAGIC = b"E2SD"
 _VERSION = 1
+_HEADER = struct.Struct("<4sHI")
+_ENTRY = struct.Struct("<BQQ")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-ZSTD_LEVEL = 3
+_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_MAX_VARINT = 9  # 63 bits: any gap within a tensor of fewer than 2^63 items
+
+ENCODING_NOTES = """(filled in from the measurements)"""
 
 
 class DeltaError(ValueError):
@@ -56,101 +86,206 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(tensor_bits(t).tobytes()).hexdigest()
 
 
-def _varints(values: np.ndarray) -> bytes:
-    out = bytearray()
-    for v in values.tolist():
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
-    return bytes(out)
+def _varint_len(value: int) -> int:
+    return max(1, -(-value.bit_length() // 7))
 
 
-def _read_varints(buf: memoryview, pos: int, count: int) -> tuple[np.ndarray, int]:
-    out = np.empty(count, dtype=np.uint64)
-    for i in range(count):
-        value = shift = 0
-        while True:
-            if pos >= len(buf) or shift > 63:
-                raise DeltaError("malformed", "index varint runs past the end of the delta")
-            byte = buf[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
-        out[i] = value
-    return out, pos
+def encode_varints(values: np.ndarray) -> np.ndarray:
+    """Unsigned LEB128 (shortest form) of each value, concatenated, as uint8 (vectorised)."""
+    values = np.asarray(values, dtype=np.uint64)
+    if not values.size:
+        return np.zeros(0, np.uint8)
+    lengths = np.ones(values.size, np.int64)
+    for k in range(1, _MAX_VARINT + 1):
+        lengths += values >= np.uint64(1 << (7 * k)) if 7 * k < 64 else 0
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = np.empty(int(ends[-1]), np.uint8)
+    for k in range(int(lengths.max())):
+        live = np.flatnonzero(lengths > k) if k else slice(None)
+        byte = (values[live] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = (lengths[live] > k + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[live] + k] = (byte | more).astype(np.uint8)
+    return out
 
 
-def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> bytes:
-    """The delta that turns `base` into `new` (same tensor names, dtypes and shapes)."""
+def decode_varints(buf: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """The first `count` shortest-form LEB128 varints of `buf` (uint8) and the bytes they took.
+
+    DeltaError when `buf` ends first, a varint is longer than 9 bytes or not in its shortest form."""
+    if count == 0:
+        return np.zeros(0, np.uint64), 0
+    window = buf[: count * _MAX_VARINT]
+    ends = np.flatnonzero(window < 0x80)
+    if ends.size < count:
+        raise DeltaError("malformed", f"the positions stream ends after {ends.size} of {count} varints")
+    ends = ends[:count]
+    used = int(ends[-1]) + 1
+    stream = window[:used]
+    starts = np.empty(count, np.int64)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > _MAX_VARINT:
+        raise DeltaError("malformed", f"a position varint is longer than {_MAX_VARINT} bytes")
+    if (stream[ends[lengths > 1]] == 0).any():
+        raise DeltaError("malformed", "a position varint is not in its shortest form")
+    owner = np.repeat(np.arange(count), lengths)
+    shift = (np.arange(used) - starts[owner]).astype(np.uint64) * np.uint64(7)
+    contrib = (stream & 0x7F).astype(np.uint64) << shift
+    return np.add.reduceat(contrib, starts), used
+
+
+def _zigzag(d: np.ndarray, itemsize: int) -> np.ndarray:
+    signed = d.view(_INT[itemsize])
+    return ((signed << 1) ^ (signed >> (8 * itemsize - 1))).view(_UINT[itemsize])
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    return (z >> z.dtype.type(1)) ^ (z.dtype.type(0) - (z & z.dtype.type(1)))
+
+
+def _check_pair(name: str, b: torch.Tensor, n: torch.Tensor) -> None:
+    if b.dtype != n.dtype or tuple(b.shape) != tuple(n.shape):
+        raise ValueError(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {n.dtype}{tuple(n.shape)}")
+
+
+def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
+                 level: int = ZSTD_LEVEL) -> bytes:
+    """The delta that turns `base` into `new` (same tensor names, dtypes and shapes).
+
+    `level` is zstandard's; the default is the format's (other levels give other, equally valid bytes)."""
     if set(base) != set(new):
         raise ValueError(f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
-    parts = [_MAGIC, struct.pack("<HI", _VERSION, len(new))]
+    table = [_HEADER.pack(_MAGIC, _VERSION, len(new))]
+    gaps: list[np.ndarray] = []
+    words: list[np.ndarray] = []  # per tensor: (n_changed, itemsize) uint8, little-endian value words
     for name in sorted(new):
         b, n = base[name], new[name]
-        if b.dtype != n.dtype or tuple(b.shape) != tuple(n.shape):
-            raise ValueError(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {n.dtype}{tuple(n.shape)}")
-        xor = np.bitwise_xor(tensor_bits(b), tensor_bits(n))
-        changed = np.flatnonzero(xor)
-        gaps = np.diff(changed, prepend=-1).astype(np.uint64) if changed.size else np.zeros(0, np.uint64)
+        _check_pair(name, b, n)
         encoded = name.encode()
-        parts += [struct.pack("<H", len(encoded)), encoded,
-                  struct.pack("<BQQ", n.element_size(), n.numel(), changed.size),
-                  _varints(gaps), xor[changed].astype(xor.dtype.newbyteorder("<")).tobytes()]
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(parts))
+        if len(encoded) > 0xFFFF:
+            raise ValueError(f"tensor name of {len(encoded)} bytes; at most 65535")
+        old_bits, new_bits = tensor_bits(b), tensor_bits(n)
+        changed = np.flatnonzero(old_bits != new_bits)
+        size = n.element_size()
+        table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel(), changed.size)]
+        if changed.size:
+            gaps.append(np.diff(changed, prepend=-1).astype(np.uint64))
+            word = _zigzag(new_bits[changed] - old_bits[changed], size).astype(f"<u{size}")
+            words.append(word.view(np.uint8).reshape(-1, size))
+    planes = [w[:, j] for j in range(8) for w in words if w.shape[1] > j]
+    positions = encode_varints(np.concatenate(gaps)) if gaps else np.zeros(0, np.uint8)
+    content = b"".join([*table, positions.tobytes(), *(p.tobytes() for p in planes)])
+    return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False,
+                                    threads=0).compress(content)
 
 
 def max_delta_bytes(base: Mapping[str, torch.Tensor]) -> int:
     """An upper bound on a valid delta's decompressed size against `base` (header + worst-case payload)."""
-    bound = 10
+    bound = _HEADER.size
     for name, t in base.items():
-        bound += 2 + len(name.encode()) + 17 + t.numel() * (10 + t.element_size())
+        bound += 2 + len(name.encode()) + _ENTRY.size + t.numel() * (_varint_len(t.numel()) + t.element_size())
     return bound
+
+
+def _decompress(base: Mapping[str, torch.Tensor], blob: bytes) -> bytes:
+    """The frame's content: exactly one frame, declaring a content size within the base's bound."""
+    bound = max_delta_bytes(base)
+    try:
+        declared = zstandard.get_frame_parameters(blob).content_size
+    except zstandard.ZstdError as e:
+        raise DeltaError("malformed", f"delta is not a zstandard frame: {e}") from None
+    if declared == zstandard.CONTENTSIZE_UNKNOWN:
+        raise DeltaError("malformed", "delta frame does not declare its content size")
+    if declared > bound:
+        raise DeltaError("too_large", f"delta declares {declared} bytes; at most {bound} fit this base")
+    decompressor = zstandard.ZstdDecompressor()
+    try:
+        # One-shot into a buffer of the declared size: a frame that holds more fails, it never grows.
+        raw = decompressor.decompress(blob)
+        rest = decompressor.decompressobj()
+        rest.decompress(blob)
+    except zstandard.ZstdError as e:
+        raise DeltaError("malformed", f"delta is not a valid zstandard frame: {e}") from None
+    if len(raw) != declared or not rest.eof or rest.unused_data:
+        raise DeltaError("malformed", "delta holds bytes beyond its one zstandard frame")
+    return raw
+
+
+def _read_table(base: Mapping[str, torch.Tensor], buf: bytes) -> tuple[list[tuple[str, int, int]], int]:
+    if len(buf) < _HEADER.size:
+        raise DeltaError("malformed", "delta is shorter than its header")
+    magic, version, count = _HEADER.unpack_from(buf, 0)
+    if magic != _MAGIC:
+        raise DeltaError("malformed", "not an e2s-delta blob")
+    if version != _VERSION:
+        raise DeltaError("format", f"delta format {version}, we read {_VERSION} ({DELTA_FORMAT})")
+    if count != len(base):
+        raise DeltaError("wrong_base", f"delta has {count} tensors, the base has {len(base)}")
+    pos, entries, previous = _HEADER.size, [], None
+    try:
+        for _ in range(count):
+            (name_len,) = struct.unpack_from("<H", buf, pos)
+            raw_name = buf[pos + 2:pos + 2 + name_len]
+            if len(raw_name) != name_len:
+                raise DeltaError("malformed", "delta table ends inside a tensor name")
+            name = raw_name.decode()
+            pos += 2 + name_len
+            if name not in base:
+                raise DeltaError("wrong_base", f"delta names tensor {name[:80]!r}, which the base lacks")
+            if previous is not None and raw_name <= previous:
+                raise DeltaError("malformed", f"tensor {name[:80]!r} repeated or out of name order")
+            previous = raw_name
+            itemsize, numel, n_changed = _ENTRY.unpack_from(buf, pos)
+            pos += _ENTRY.size
+            t = base[name]
+            if itemsize != t.element_size() or numel != t.numel():
+                raise DeltaError("wrong_base", f"{name}: delta for {numel} items of {itemsize} bytes, "
+                                 f"base has {t.numel()} of {t.element_size()}")
+            if n_changed > numel:
+                raise DeltaError("malformed", f"{name}: {n_changed} changes in {numel} items")
+            entries.append((name, itemsize, n_changed))
+    except (struct.error, UnicodeDecodeError) as e:
+        raise DeltaError("malformed", f"delta table is truncated or malformed: {e}") from None
+    return entries, pos
 
 
 def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torch.Tensor]:
     """`base` with the delta applied: new tensors (base is not modified). DeltaError if malformed."""
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max_delta_bytes(base))
-    except zstandard.ZstdError as e:
-        raise DeltaError("malformed", f"delta is not a valid zstandard frame within its size bound: {e}") from None
-    buf = memoryview(raw)
-    if bytes(buf[:4]) != _MAGIC or len(buf) < 10:
-        raise DeltaError("malformed", "not an e2s-delta blob")
-    version, count = struct.unpack_from("<HI", buf, 4)
-    if version != _VERSION:
-        raise DeltaError("format", f"delta format {version}, we read {_VERSION}")
-    if count != len(base):
-        raise DeltaError("wrong_base", f"delta has {count} tensors, the base has {len(base)}")
-    pos, out = 10, {}
-    try:
-        for _ in range(count):
-            (name_len,) = struct.unpack_from("<H", buf, pos)
-            name = bytes(buf[pos + 2:pos + 2 + name_len]).decode()
-            pos += 2 + name_len
-            if name not in base or name in out:
-                raise DeltaError("wrong_base", f"delta names tensor {name[:80]!r}, which the base lacks or repeats")
-            itemsize, numel, n_changed = struct.unpack_from("<BQQ", buf, pos)
-            pos += 17
-            t = base[name]
-            if itemsize != t.element_size() or numel != t.numel() or n_changed > numel:
-                raise DeltaError("wrong_base", f"{name}: delta for {numel} items of {itemsize} bytes, "
-                                 f"base has {t.numel()} of {t.element_size()}")
-            gaps, pos = _read_varints(buf, pos, n_changed)
-            index = np.cumsum(gaps, dtype=np.uint64) - np.uint64(1) if n_changed else gaps
-            if n_changed and (gaps[1:] == 0).any() or (n_changed and (gaps[0] == 0 or index[-1] >= numel)):
+    raw = _decompress(base, blob)
+    entries, pos = _read_table(base, raw)
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    total = sum(n for _, _, n in entries)
+    gaps, used = decode_varints(buf[pos:], total)
+    pos += used
+    value_bytes = sum(n * size for _, size, n in entries)
+    if len(buf) - pos != value_bytes:
+        raise DeltaError("malformed", f"{len(buf) - pos} bytes of values where the table says {value_bytes}")
+    # Where each tensor's bytes sit in each plane.
+    plane_start, offsets = pos, {}
+    for j in range(8):
+        for name, size, n in entries:
+            if size > j:
+                offsets[name, j] = plane_start
+                plane_start += n
+    out: dict[str, torch.Tensor] = {}
+    first = 0
+    for name, size, n in entries:
+        t = base[name]
+        bits = tensor_bits(t).copy()
+        if n:
+            tensor_gaps = gaps[first:first + n]
+            first += n
+            numel = t.numel()
+            if tensor_gaps.min() == 0 or tensor_gaps.max() > numel:
                 raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-            words = np.frombuffer(buf, dtype=np.dtype(_UINT[itemsize]).newbyteorder("<"), count=n_changed, offset=pos)
-            pos += n_changed * itemsize
-            bits = tensor_bits(t).copy()
-            bits[index.astype(np.int64)] ^= words.astype(bits.dtype)
-            out[name] = torch.from_numpy(bits.view(np.uint8)).view(t.dtype).reshape(t.shape)
-    except (struct.error, UnicodeDecodeError, ValueError) as e:
-        if isinstance(e, DeltaError):
-            raise
-        raise DeltaError("malformed", f"delta is truncated or malformed: {e}") from None
-    if pos != len(buf):
-        raise DeltaError("malformed", f"{len(buf) - pos} trailing bytes after the last tensor")
+            index = np.cumsum(tensor_gaps) - np.uint64(1)
+            if index[-1] >= numel or (numel >= 1 << 32 and (np.diff(index).astype(np.int64) <= 0).any()):
+                raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
+            index = index.astype(np.int64)
+            word_bytes = np.stack([buf[offsets[name, j]:offsets[name, j] + n] for j in range(size)], axis=1)
+            words = np.ascontiguousarray(word_bytes).view(f"<u{size}").reshape(-1).astype(bits.dtype)
+            bits[index] += _unzigzag(words)
+        out[name] = torch.from_numpy(bits.view(np.uint8)).view(t.dtype).reshape(t.shape)
     return out

@@ -1,0 +1,301 @@
+"""policy/delta.py: exact round trips, and hostile blobs refused with a reason before any large allocation."""
+
+from __future__ import annotations
+
+import math
+import resource
+import struct
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+from echo2swarm.policy.delta import (
+    DELTA_FORMAT,
+    ZSTD_LEVEL,
+    DeltaError,
+    apply_delta,
+    decode_varints,
+    encode_delta,
+    encode_varints,
+    max_delta_bytes,
+    tensor_bits,
+    tensor_sha256,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and np.array_equal(tensor_bits(a[k]), tensor_bits(b[k])) for k in a)
+
+
+def nudged(t: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """`t` with about `fraction` of its items moved by one ulp (either way), as training at a small lr does."""
+    g = torch.Generator().manual_seed(seed)
+    bits = tensor_bits(t).copy()
+    pick = torch.rand(t.numel(), generator=g).numpy() < fraction
+    step = np.where(torch.rand(t.numel(), generator=g).numpy() < 0.5, 1, -1).astype(bits.dtype)
+    bits[pick] += step[pick]
+    return torch.from_numpy(bits.view(np.uint8)).view(t.dtype).reshape(t.shape)
+
+
+def model_like(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": (torch.randn(49, 64, generator=g) * 0.02).to(dtype),
+        "model.layers.0.mlp.up_proj.weight": (torch.randn(128, 64, generator=g) * 0.02).to(dtype),
+        "model.layers.0.input_layernorm.weight": torch.ones(64, dtype=dtype),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(4, 16, 64, generator=g) * 0.02).to(dtype),
+        "scalar": torch.tensor(0.5, dtype=dtype),
+        "empty": torch.zeros(0, 7, dtype=dtype),
+    }
+
+
+def round_trip(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> bytes:
+    blob = encode_delta(base, new)
+    before = {k: tensor_bits(v).copy() for k, v in base.items()}
+    rebuilt = apply_delta(base, blob)
+    assert same_bits(rebuilt, new)
+    assert all(np.array_equal(before[k], tensor_bits(base[k])) for k in base), "apply_delta modified the base"
+    assert all(tensor_sha256(rebuilt[k]) == tensor_sha256(new[k]) for k in new)
+    return blob
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8])
+def test_round_trip_sparse_changes_every_dtype(dtype):
+    base = model_like(dtype)
+    new = {k: nudged(v, 0.02, seed=i) for i, (k, v) in enumerate(base.items())}
+    assert not same_bits(base, new)
+    round_trip(base, new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_none_changed_and_all_changed(dtype):
+    base = model_like(dtype)
+    blob = round_trip(base, {k: v.clone() for k, v in base.items()})
+    assert len(blob) < 200
+    everything = {k: nudged(v, 1.0, seed=3) for k, v in base.items()}
+    assert all((tensor_bits(everything[k]) != tensor_bits(base[k])).all() for k in base)
+    round_trip(base, everything)
+    # Unrelated values (not one-ulp steps) round-trip too: zigzag differences wrap modulo 2^bits.
+    g = torch.Generator().manual_seed(9)
+    round_trip(base, {k: torch.randn(v.shape, generator=g).to(dtype) * 1e4 for k, v in base.items()})
+
+
+def test_signed_zero_nan_payloads_and_infinities_are_bit_patterns():
+    base = {"w": torch.tensor([0.0, -0.0, 1.0, float("nan"), float("inf"), -2.0], dtype=torch.float32)}
+    bits = tensor_bits(base["w"]).copy()
+    bits[0] = 0x80000000           # 0.0 -> -0.0: equal values, different bits
+    bits[1] = 0x00000000           # -0.0 -> 0.0
+    bits[3] = 0x7FC00123           # a NaN with another payload
+    bits[4] = 0xFF800000           # +inf -> -inf
+    bits[5] = 0x7F800001           # -2.0 -> a signalling NaN pattern
+    new = {"w": torch.from_numpy(bits.view(np.uint8)).view(torch.float32)}
+    rebuilt = apply_delta(base, round_trip(base, new))
+    assert tensor_bits(rebuilt["w"]).tolist() == bits.tolist()
+    half = {"h": torch.tensor([0.0, float("nan")], dtype=torch.bfloat16)}
+    hbits = tensor_bits(half["h"]).copy()
+    hbits[:] = [0x8000, 0x7FC1]
+    round_trip(half, {"h": torch.from_numpy(hbits.view(np.uint8)).view(torch.bfloat16)})
+
+
+def test_non_contiguous_and_shaped_tensors():
+    base = {"m": (torch.arange(60, dtype=torch.float32).reshape(3, 4, 5) / 7).bfloat16()}
+    new = {"m": base["m"].clone()}
+    new["m"][1, 2, 3] += 1.0
+    new["m"][2, 3, 4] = -new["m"][2, 3, 4]
+    transposed = {"m": base["m"].transpose(0, 2)}
+    rebuilt = apply_delta(transposed, encode_delta(transposed, {"m": new["m"].transpose(0, 2)}))
+    assert rebuilt["m"].shape == (5, 4, 3) and rebuilt["m"].is_contiguous()
+    assert torch.equal(rebuilt["m"], new["m"].transpose(0, 2))
+
+
+def test_mixed_item_sizes_share_planes():
+    base = {"a": torch.zeros(10, dtype=torch.bfloat16), "b": torch.zeros(10, dtype=torch.float32),
+            "c": torch.zeros(10, dtype=torch.float64), "d": torch.zeros(3, dtype=torch.uint8)}
+    new = {"a": torch.full((10,), 2.0, dtype=torch.bfloat16), "b": torch.full((10,), -1.5),
+           "c": torch.full((10,), 1e300, dtype=torch.float64), "d": torch.tensor([1, 0, 255], dtype=torch.uint8)}
+    round_trip(base, new)
+
+
+def test_the_content_follows_the_documented_layout():
+    base = {"b": torch.zeros(300, dtype=torch.bfloat16), "a": torch.zeros(2, dtype=torch.bfloat16)}
+    new = {"b": base["b"].clone(), "a": base["a"].clone()}
+    new["b"][0] = 2.0 ** -133   # bits 0x0001: zigzag(+1) = 2
+    new["b"][200] = -0.0        # bits 0x8000: d = -32768, zigzag = 0xFFFF
+    blob = encode_delta(base, new)
+    content = zstandard.ZstdDecompressor().decompress(blob)
+    expected = (b"E2SD" + struct.pack("<HI", 1, 2)
+                + struct.pack("<H", 1) + b"a" + struct.pack("<BQQ", 2, 2, 0)
+                + struct.pack("<H", 1) + b"b" + struct.pack("<BQQ", 2, 300, 2)
+                + bytes([1, 200, 1])        # gaps 1 (from -1 to 0) and 200 (0 -> 200) as LEB128
+                + bytes([2, 0xFF])          # plane 0: low bytes of the words 0x0002 and 0xFFFF
+                + bytes([0, 0xFF]))         # plane 1: their high bytes
+    assert content == expected
+    params = zstandard.get_frame_parameters(blob)
+    assert params.content_size == len(expected) and not params.has_checksum
+    assert blob == zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(expected)
+    assert DELTA_FORMAT == "e2s-delta/1"
+
+
+def test_varints_vectorised_match_leb128():
+    values = np.array([1, 2, 127, 128, 255, 16383, 16384, 2**35 + 17, 2**63 - 1], dtype=np.uint64)
+    encoded = encode_varints(values)
+    reference = bytearray()
+    for v in values.tolist():
+        while v >= 0x80:
+            reference.append((v & 0x7F) | 0x80)
+            v >>= 7
+        reference.append(v)
+    assert encoded.tobytes() == bytes(reference)
+    decoded, used = decode_varints(np.frombuffer(bytes(reference) + b"\x05\x06", np.uint8), len(values))
+    assert decoded.tolist() == values.tolist() and used == len(reference)
+    assert encode_varints(np.zeros(0, np.uint64)).size == 0
+
+
+def test_encode_refuses_mismatched_tensors():
+    base = model_like(torch.bfloat16)
+    with pytest.raises(ValueError, match="names differ"):
+        encode_delta(base, {k: v for k, v in base.items() if k != "scalar"})
+    with pytest.raises(ValueError, match="scalar"):
+        encode_delta(base, {**base, "scalar": base["scalar"].float()})
+    with pytest.raises(ValueError, match="empty"):
+        encode_delta(base, {**base, "empty": torch.zeros(7, 0, dtype=torch.bfloat16)})
+
+
+# --------------------------------------------------------------------------- hostile blobs
+
+def content_of(blob: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompress(blob)
+
+
+def frame(content: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(content)
+
+
+def refused(base: dict[str, torch.Tensor], blob: bytes, reason: str, match: str | None = None) -> None:
+    with pytest.raises(DeltaError, match=match) as caught:
+        apply_delta(base, blob)
+    assert caught.value.reason == reason, (caught.value.reason, str(caught.value))
+
+
+@pytest.fixture
+def pair():
+    base = {"a.weight": (torch.randn(40, 30) * 0.02).bfloat16(), "b.weight": (torch.randn(25) * 0.02).bfloat16()}
+    new = {k: nudged(v, 0.1, seed=i) for i, (k, v) in enumerate(base.items())}
+    return base, new, encode_delta(base, new)
+
+
+def test_truncated_and_garbage_blobs(pair):
+    base, _, blob = pair
+    for cut in (0, 3, 10, len(blob) // 2, len(blob) - 1):
+        refused(base, blob[:cut], "malformed")
+    refused(base, b"\x00" * 64, "malformed")
+    refused(base, bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)), "malformed")
+    refused(base, blob + b"x", "malformed", "beyond")
+    refused(base, blob + blob, "malformed", "beyond")
+    content = content_of(blob)
+    for cut in (4, 9, 12, 40, len(content) - 1):
+        refused(base, frame(content[:cut]), "malformed")
+    refused(base, frame(content + b"\x00"), "malformed", "bytes of values")
+
+
+def test_frame_without_content_size_is_refused(pair):
+    base, _, blob = pair
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(content_of(blob))
+    refused(base, unsized, "malformed", "content size")
+
+
+def test_wrong_magic_and_format(pair):
+    base, _, blob = pair
+    content = content_of(blob)
+    refused(base, frame(b"E2SX" + content[4:]), "malformed", "not an e2s-delta")
+    refused(base, frame(content[:4] + struct.pack("<H", 2) + content[6:]), "format", "format 2")
+
+
+def table_entry(name: str, itemsize: int, numel: int, n_changed: int) -> bytes:
+    return struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<BQQ", itemsize, numel, n_changed)
+
+
+def test_table_that_does_not_fit_the_base(pair):
+    base, _, _ = pair
+    head = b"E2SD" + struct.pack("<HI", 1, 2)
+    good_a, good_b = table_entry("a.weight", 2, 1200, 0), table_entry("b.weight", 2, 25, 0)
+    assert apply_delta(base, frame(head + good_a + good_b))["a.weight"].equal(base["a.weight"])
+    refused(base, frame(b"E2SD" + struct.pack("<HI", 1, 3) + good_a + good_b), "wrong_base", "3 tensors")
+    refused(base, frame(head + good_a + table_entry("c.weight", 2, 25, 0)), "wrong_base", "lacks")
+    refused(base, frame(head + good_a + good_a), "malformed", "repeated")
+    refused(base, frame(head + good_b + good_a), "malformed", "out of name order")
+    refused(base, frame(head + table_entry("a.weight", 4, 1200, 0) + good_b), "wrong_base", "items of 4 bytes")
+    refused(base, frame(head + table_entry("a.weight", 2, 1201, 0) + good_b), "wrong_base", "1201 items")
+    refused(base, frame(head + table_entry("a.weight", 2, 1200, 1201) + good_b), "malformed", "1201 changes")
+    refused(base, frame(head + b"\x05\x00\xff\xfe\xfd\xfc\xfb" + good_b), "malformed")
+    empty = frame(b"E2SD" + struct.pack("<HI", 1, 0))
+    refused(base, empty, "wrong_base")
+
+
+def test_positions_out_of_range_or_not_increasing(pair):
+    base, _, _ = pair
+    head = b"E2SD" + struct.pack("<HI", 1, 2) + table_entry("a.weight", 2, 1200, 0)
+
+    def with_b(gaps: bytes, n: int) -> bytes:
+        return frame(head + table_entry("b.weight", 2, 25, n) + gaps + b"\x02" * n + b"\x00" * n)
+
+    assert apply_delta(base, with_b(b"\x01\x18", 2))["b.weight"].shape == (25,)   # indices 0 and 24
+    refused(base, with_b(b"\x01\x19", 2), "malformed", "out of range")             # index 25 of 25
+    refused(base, with_b(b"\x01\x00", 2), "malformed", "out of order")             # repeated index
+    refused(base, with_b(b"\x00", 1), "malformed", "out of order")                  # gap 0 from -1
+    refused(base, with_b(b"\x81\x00", 1), "malformed", "shortest form")             # non-minimal varint
+    refused(base, with_b(b"\xff" * 9 + b"\x01", 1), "malformed", "ends after 0")    # 10-byte varint
+    refused(base, with_b(b"\xff" * 9 + b"\x01\x01", 2), "malformed", "longer than")
+    refused(base, with_b(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "out of range")
+
+
+def test_a_zstd_bomb_is_refused_before_it_is_decompressed(pair):
+    base, _, _ = pair
+    bound = max_delta_bytes(base)
+    big = 1 << 30  # 1 GiB of zeros compresses to ~32 KiB
+    compressor = zstandard.ZstdCompressor(level=1)
+    chunks = compressor.compressobj(size=big)
+    zeros = bytes(1 << 20)
+    bomb = b"".join(chunks.compress(zeros) for _ in range(big >> 20)) + chunks.flush()
+    assert zstandard.get_frame_parameters(bomb).content_size == big > bound
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    refused(base, bomb, "too_large", f"at most {bound}")
+    # The same bomb without a declared size is refused too, before decompression.
+    unsized = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    refused(base, b"".join(unsized.compress(zeros) for _ in range(64)) + unsized.flush(), "malformed", "content size")
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
+    assert grown_kib < 200 * 1024, f"refusing the bomb grew the peak RSS by {grown_kib} KiB"
+
+
+def with_declared_size(blob: bytes, size: int) -> bytes:
+    """`blob` (one zstd frame, single segment, no dictionary) with its Frame_Content_Size field rewritten."""
+    descriptor = blob[4]
+    assert descriptor & 0x20 and not descriptor & 0x03, "expected a single-segment frame without a dictionary"
+    width = {0: 1, 1: 2, 2: 4, 3: 8}[descriptor >> 6]
+    stored = size - 256 if width == 2 else size
+    return blob[:5] + stored.to_bytes(width, "little") + blob[5 + width:]
+
+
+def test_a_frame_lying_about_its_content_size_is_refused(pair):
+    base, _, blob = pair
+    content = content_of(blob)
+    longer = frame(content + bytes(100))
+    assert with_declared_size(longer, len(content) + 100) == longer
+    refused(base, with_declared_size(longer, len(content)), "malformed")        # holds more than declared
+    refused(base, with_declared_size(longer, len(content) + 150), "malformed")  # holds less
+
+
+def test_max_delta_bytes_bounds_every_honest_delta():
+    base = model_like(torch.float32)
+    everything = {k: nudged(v, 1.0, seed=5) for k, v in base.items()}
+    content = content_of(encode_delta(base, everything))
+    assert len(content) <= max_delta_bytes(base)
+    expected_floor = sum(t.numel() * t.element_size() for t in base.values())
+    assert expected_floor < max_delta_bytes(base) < 3 * expected_floor + 1000
+    assert math.isfinite(max_delta_bytes({}))
