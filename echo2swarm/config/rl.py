@@ -104,6 +104,21 @@ class TrainConfig(_Section):
         "auto", description="Torch device for the policy, reference model, optimizer state and batches: auto (cuda "
         "when a CUDA device is visible, else cpu), cpu, cuda or cuda:N. Published weights are fp32 on CPU either way.",
     )
+    micro_batch_sequences: int | None = Field(
+        None, ge=1, le=65536, description="Sequences in one forward/backward of an optimizer update at most: a "
+        "minibatch with more is split into micro-batches whose gradients accumulate into the same update (loss "
+        "normalised as for the whole minibatch). A sharded learner (several ranks) hands the micro-batches out "
+        "across its ranks. None: a whole minibatch at once on one rank (split evenly across ranks otherwise).",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in the backward pass instead of keeping "
+        "them (less memory, about a third more compute).",
+    )
+    mixed_precision: Literal["auto", "bf16", "off"] = Field(
+        "auto", description="A sharded learner (FSDP2, several ranks): 'bf16' computes in bfloat16 with fp32 "
+        "master weights, optimizer state and gradient reductions; 'off' computes in fp32; 'auto' is bf16 on CUDA "
+        "and off on the CPU. A single-process learner computes in fp32.",
+    )
     checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
     keep_checkpoints: int = Field(2, ge=1)
     run_dir: Path | None = Field(None, description="metrics.jsonl, checkpoints, final model. None: <state_dir>/run.")

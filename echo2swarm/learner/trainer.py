@@ -111,33 +111,47 @@ class GRPOTrainer:
     the plausibility and typicality checks but no exact check.
     """
 
+    rank = 0   # this process's rank among the learner's ranks (learner/distributed.py)
+    world = 1  # ranks training the policy together; each takes every world-th micro-batch
+
     def __init__(self, model_dir: Path, config: TrainConfig, *, verify: VerifyConfig | None = None,
                  weights_of: WeightsOf | None = None):
         self.config = config
         self.verify_config = verify if verify is not None else VerifyConfig()
-        self.device = resolve_device(config.device, setting="train.device (--device)")
+        self.device = self._resolve_device()
         if config.threads:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        self.model = model.to(self.device)  # before the optimizer, so its state is created on the device
-        self.model.train()
-        logger.info("trainer: %s on %s (%d params, fp32)", self.model_dir, self.device,
-                    sum(p.numel() for p in self.model.parameters()))
+        self.model = self._load_policy()  # on the device before the optimizer, so its state is created there
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.reference = None
-        if config.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval()
-            for p in self.reference.parameters():
-                p.requires_grad_(False)
+        self.reference = self._load_reference() if config.kl_coef > 0 else None
         self.verifier: Verifier | None = None
         if self.verify_config.enabled:
             self.verifier = Verifier(self.verify_config, temperature=config.temperature, top_p=config.top_p,
                                      weights_of=weights_of, make_spare=self._spare_model)
         self.skipped_nonfinite = 0  # updates skipped so far because the loss or a gradient was not finite
+
+    # -- building (learner/distributed.py's ShardedTrainer overrides these) ----------------------
+    def _resolve_device(self) -> torch.device:
+        return resolve_device(self.config.device, setting="train.device (--device)")
+
+    def _load_policy(self) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        if self.config.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = model.to(self.device)
+        model.train()
+        logger.info("trainer: %s on %s (%d params, fp32)", self.model_dir, self.device,
+                    sum(p.numel() for p in model.parameters()))
+        return model
+
+    def _load_reference(self) -> torch.nn.Module:
+        reference = copy.deepcopy(self.model).eval()
+        reference.requires_grad_(False)
+        return reference
 
     def _spare_model(self) -> torch.nn.Module:
         """A second copy of the policy on the training device, to hold older versions' weights.
@@ -236,7 +250,9 @@ class GRPOTrainer:
         batch = self.build_batch(groups)
         rows = self._group_rows(groups)
         one_update = config.ppo_epochs * min(config.minibatches, len(groups)) == 1
-        with torch.set_grad_enabled(one_update):
+        # One update whose forward is the proximal one too, unless it is split into micro-batches.
+        fused = one_update and self.world == 1 and config.micro_batch_sequences is None
+        with torch.set_grad_enabled(fused):
             scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                        temperature=config.temperature)
             logprobs = scored.token_logprobs()
@@ -276,12 +292,13 @@ class GRPOTrainer:
         # weight) when some groups are stale, the step makes several updates, or tokens were drawn
         # from a top-p nucleus (the behaviour logprob is then the renormalised one, not the policy's).
         decoupled = bool(stale_rows.any()) or not one_update or config.top_p < 1.0
-        if one_update:
+        if fused:
             step_tokens = float(batch.completion_mask.sum())
             updates = [self._objective(logprobs, proximal if decoupled else None, batch, step_tokens, current_version)]
         else:
             del logprobs
-            updates = self._minibatch_updates(batch, proximal, [r for _, r in kept_groups], current_version)
+            updates = self._minibatch_updates(batch, proximal, [r for _, r in kept_groups], current_version,
+                                              decoupled=decoupled)
         trained = [g for g, _ in kept_groups]
         rewards = torch.tensor([r for g in trained for r in g.rewards])
         return {
@@ -342,8 +359,9 @@ class GRPOTrainer:
         return {**stats, **self._update(loss, current_version)}
 
     def _minibatch_updates(self, batch: Batch, proximal: torch.Tensor, rows: list[range],
-                           current_version: int) -> list[dict[str, float]]:
-        """`ppo_epochs` passes, each over the kept groups shuffled into `minibatches` minibatches."""
+                           current_version: int, *, decoupled: bool = True) -> list[dict[str, float]]:
+        """`ppo_epochs` passes, each over the kept groups shuffled into `minibatches` minibatches
+        (clipped against ``proximal`` when ``decoupled``, else against the behaviour policy)."""
         config = self.config
         step_tokens = float(batch.completion_mask.sum())
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + current_version)
@@ -355,11 +373,111 @@ class GRPOTrainer:
                 index = torch.tensor([i for g in chunk.tolist() for i in rows[g]], dtype=torch.long,
                                      device=self.device)
                 sub, first = batch.select(index)
-                sub_proximal = proximal.index_select(0, index)[:, first:]
-                lp = token_logprobs(self.model, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                                    temperature=config.temperature)
-                out.append(self._objective(lp, sub_proximal, sub, step_tokens, current_version))
+                sub_proximal = proximal.index_select(0, index)[:, first:] if decoupled else None
+                out.append(self._accumulated_update(sub, sub_proximal, step_tokens, current_version))
         return out
+
+    def _micro_parts(self, rows: int) -> list[torch.Tensor | None]:
+        """This rank's micro-batches of a minibatch of ``rows`` rows (row indices; None: a slot with
+        no rows, run on row 0 with weight 0, so every rank makes the same number of forwards)."""
+        size = self.config.micro_batch_sequences
+        parts = -(-rows // size) if size else 1
+        parts = -(-parts // self.world) * self.world  # a multiple of the ranks: each runs as many
+        split = torch.tensor_split(torch.arange(rows), parts)
+        return [p if p.numel() else None for p in split[self.rank::self.world]]
+
+    def _objective_rows(self, batch: Batch, proximal: torch.Tensor | None, options: LossOptions) -> torch.Tensor:
+        """Each row's share of the minibatch loss's normaliser (grpo.py's `_aggregate`): its objective
+        tokens ('bnpo'), or 1 if it has any ('grpo', 'dr_grpo'); 'dapo' normalises by a constant.
+        The objective is the completion mask less the tokens `is_mode = "mask"` takes out."""
+        keep = batch.completion_mask.bool()
+        objective = keep
+        cap = self.config.is_cap
+        if proximal is not None and options.is_mode == "mask" and cap is not None:
+            gap = torch.where(keep, proximal - batch.behaviour, torch.zeros_like(proximal))
+            if options.is_level == "sequence":
+                gap = (gap.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(gap)
+            objective = keep & ~(keep & (torch.exp(gap) > cap))
+        tokens = objective.sum(dim=1).to(torch.float64)
+        return tokens if options.loss_type == "bnpo" else (tokens > 0).to(torch.float64)
+
+    def _accumulated_update(self, batch: Batch, proximal: torch.Tensor | None, step_tokens: float,
+                            current_version: int) -> dict[str, float]:
+        """One optimizer update on a minibatch, its gradient accumulated over micro-batches (this
+        rank's share of them). Each micro-batch's loss is weighted by its share of the minibatch's
+        normaliser, so the sum is the minibatch's loss: the same gradient as one forward of it
+        (exactly so unless `is_mode = "mask"` masks tokens while `kl_coef > 0`, whose KL term is
+        normalised over all tokens). Stats are token-weighted means over the micro-batches."""
+        config = self.config
+        options = self._loss_options(step_tokens)
+        norm = self._objective_rows(batch, proximal, options)
+        total = float(norm.sum())
+        tokens = batch.completion_mask.sum(dim=1).to(torch.float64)
+        all_tokens = max(float(tokens.sum()), 1.0)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        gap_max, finite = 0.0, True
+        for rows in self._micro_parts(int(batch.input_ids.shape[0])):
+            index = (rows if rows is not None else torch.zeros(1, dtype=torch.long)).to(self.device)
+            sub, first = batch.select(index)
+            sub_proximal = proximal.index_select(0, index)[:, first:] if proximal is not None else None
+            lp = token_logprobs(self.model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                temperature=config.temperature)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.reference, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                         temperature=config.temperature)
+            loss, stats = grpo_loss(
+                lp, sub.behaviour, sub.advantages, sub.completion_mask,
+                clip_low=config.clip_low, clip_high=config.clip_high, proximal_logprobs=sub_proximal,
+                is_cap=config.is_cap, ref_logprobs=ref, kl_coef=config.kl_coef, options=options,
+            )
+            if rows is None:
+                weight = share = 0.0
+            else:
+                weight = 1.0 if options.loss_type == "dapo" else float(norm[index].sum()) / max(total, 1e-30)
+                share = float(tokens[index].sum()) / all_tokens
+            ok = rows is None or bool(torch.isfinite(loss.detach()))
+            finite = finite and ok
+            # Every rank runs every backward (FSDP reduces gradients in it), finite or not; one
+            # process skips a non-finite one. FSDP averages gradients over ranks: times `world`.
+            if ok or self.world > 1:
+                (loss * (weight * self.world)).backward()
+            if rows is not None:
+                for key, value in stats.items():
+                    if key == "offpolicy_gap_max":
+                        gap_max = max(gap_max, value)
+                    else:
+                        sums[key] = sums.get(key, 0.0) + (weight if key == "loss" else share) * value
+        finite, sums, gap_max = self._gather_update(finite, sums, gap_max)
+        return {**sums, "offpolicy_gap_max": gap_max, **self._apply_update(finite, sums.get("loss", 0.0),
+                                                                            current_version)}
+
+    def _gather_update(self, finite: bool, sums: dict[str, float], gap_max: float
+                       ) -> tuple[bool, dict[str, float], float]:
+        """Across ranks (ShardedTrainer): every rank's loss finite, stat sums added, gap max taken."""
+        return finite, sums, gap_max
+
+    def _clip_gradients(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+    def _apply_update(self, finite_loss: bool, loss: float, current_version: int) -> dict[str, float]:
+        """Clip and step the accumulated gradient; no update (and a loud log) when a loss or the
+        gradient norm is not finite (the same decision on every rank: both are global)."""
+        grad_norm = torch.tensor(float("nan"))
+        if finite_loss:
+            grad_norm = self._clip_gradients()
+        if finite_loss and bool(torch.isfinite(grad_norm)):
+            self.optimizer.step()
+            return {"grad_norm": float(grad_norm), "skipped_nonfinite": 0}
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_nonfinite += 1
+        logger.error(
+            "update at v%d SKIPPED: loss %s, gradient norm %s (not finite); weights and optimizer state unchanged "
+            "(%d such updates so far)", current_version, loss, float(grad_norm), self.skipped_nonfinite,
+        )
+        return {"grad_norm": float(grad_norm), "skipped_nonfinite": 1}
 
     def _update(self, loss: torch.Tensor, current_version: int) -> dict[str, float]:
         """Backward, clip and step; no update (and a loud log) when the loss or gradient is not finite."""
@@ -426,6 +544,37 @@ class GRPOTrainer:
             load_policy_weights(self.model, tensors)
         except ValueError as e:
             raise ValueError(f"checkpoint does not fit the model: {e}") from None
+
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments (after a roll-back to a published version: they went non-finite too)."""
+        self.optimizer.state.clear()
+
+    def assert_finite(self) -> None:
+        """NonFiniteWeightsError when any weight holds a NaN or an inf (before a checkpoint)."""
+        check_finite(unique_state_dict(self.model))
+
+    def save_state(self, path: Path) -> None:
+        """The policy and its AdamW state as a torch.distributed.checkpoint directory at ``path``:
+        names as in the unsharded model, so any number of ranks (or one process) loads it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(path))
+
+    def load_state(self, path: Path) -> None:
+        """Load what `save_state` wrote, whatever number of ranks wrote it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    def close(self) -> None:
+        """Nothing to release in one process (a sharded trainer stops its other ranks)."""
 
     def save_model_dir(self, out_dir: Path) -> Path:
         """A plain Hugging Face model directory of the current policy (NonFiniteWeightsError if not finite)."""

@@ -1,0 +1,88 @@
+"""Train a few GRPO steps on fixed batches and write what came out; run alone (W=1, plain trainer)
+or under torchrun (W ranks, ShardedTrainer), so tests compare the two.
+
+    python tests/helpers/sharded_steps.py MODEL OUT [--steps 5] [--train '{"micro_batch_sequences": 3}']
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/sharded_steps.py MODEL OUT
+
+The batches: 4 groups of 4 completions drawn from the initial policy's vocabulary by a seeded RNG,
+version 1, with behaviour logprobs computed by the initial policy (plain, on rank 0's CPU, before
+anything is sharded), so the learner's verification passes them; step i trains at version i, so
+from step 2 on the groups are stale and the verifier's exact check loads version 1 into its spare
+model (weights_of(1) is the initial weights). OUT/result.json holds the per-step stats, OUT/initial.bin
+the published bf16 bytes before training, OUT/final.safetensors the fp32 weights after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
+from echo2swarm.learner.buffer import Group  # noqa: E402
+from echo2swarm.learner.distributed import make_trainer, serve_rank, world_size  # noqa: E402
+from echo2swarm.learner.grpo import token_logprobs  # noqa: E402
+from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
+
+
+def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:
+    plain = GRPOTrainer(model_dir, config.model_copy(update={"device": "cpu"}), verify=VerifyConfig(enabled=False))
+    rng = random.Random(7)
+    groups = []
+    for g in range(4):
+        prompt = plain.encode_prompt(f"{rng.randint(1, 99)}+{rng.randint(1, 99)}=")
+        completions = [[rng.randrange(4, plain.vocab_size) for _ in range(rng.randint(2, 6))] for _ in range(4)]
+        groups.append(Group(prompt_id=f"p{g}", version=1, prompt_ids=prompt, completions=completions,
+                            behaviour_logprobs=[[0.0] * len(c) for c in completions],
+                            rewards=[float(rng.random() < 0.5) + 0.1 * i for i in range(4)],
+                            finish_reasons=["stop"] * 4))
+    batch = plain.build_batch(groups)
+    with torch.no_grad():
+        lp = token_logprobs(plain.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    out, row = [], 0
+    for group in groups:
+        behaviour = []
+        for completion in group.completions:
+            behaviour.append([float(v) for v in lp[row, lp.shape[1] - len(completion):]])
+            row += 1
+        out.append(replace(group, behaviour_logprobs=behaviour))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--train", default="{}", help="TrainConfig fields, JSON")
+    args = parser.parse_args()
+    config = TrainConfig(**{"device": "cpu", "lr": 1e-2, "kl_coef": 0.05, "seed": 3, **json.loads(args.train)})
+    verify = VerifyConfig(seed=0, sample_fraction=1.0)
+    rank = int(__import__("os").environ.get("RANK", "0"))
+    if rank != 0:
+        sys.exit(serve_rank(args.model, config, verify))
+    groups = fixed_groups(args.model, config)
+    initial = load_file(args.model / "model.safetensors")
+    trainer = make_trainer(args.model, config, verify=verify, weights_of=lambda v: initial if v == 1 else None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "initial.bin").write_bytes(trainer.weights_bytes(torch.bfloat16))
+    steps = []
+    for version in range(1, args.steps + 1):
+        stats = trainer.step(groups, current_version=version)
+        stats.pop("refused_groups")
+        steps.append({k: v for k, v in stats.items() if isinstance(v, (int, float))})
+    save_file(trainer.weights_state(), str(args.out / "final.safetensors"))
+    (args.out / "result.json").write_text(json.dumps({"world": world_size(), "steps": steps}))
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()
