@@ -338,6 +338,20 @@ class PublishConfig(StrictModel):
         "auto", description="dtype of the published weights (what peers run): `auto` is the model directory's own; "
         "the learner trains fp32 master weights and publishes their cast.",
     )
+    keyframe_every: int = Field(
+        10, ge=1, le=64,
+        description="A dense version (keyframe) every this many versions; the versions between are deltas "
+        "against the previous one (1: every version dense). At most 64: a follower walks back at most 64 "
+        "manifests to find a path.",
+    )
+    delta_max_ratio: float = Field(
+        0.5, gt=0, le=1,
+        description="Publish a keyframe instead of a delta when the delta exceeds this fraction of the dense weights.",
+    )
+    composites: bool = Field(
+        True, description="Also offer, with each delta version, a composite delta from the last keyframe when it is "
+        "smaller than the chain of deltas since (catch-up for peers that hold the keyframe).",
+    )
     seeds: int = Field(
         2, ge=1, le=16,
         description="Peers the learner uploads each version to first (stripes of the broadcast plan); "

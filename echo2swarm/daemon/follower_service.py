@@ -120,6 +120,10 @@ class FollowerService:
             "fetch": dict(self.follower.fetcher.stats),
             "fetching_version": self.follower.fetching_version,
             "fetched_from": dict(self.follower.fetcher.bytes_from),
+            # delta versions: how many versions came by each path (delta / chain / composite / keyframe),
+            # and per recent version its path, the bytes fetched for it and the hops taken
+            "fetch_paths": dict(self.follower.paths),
+            "fetch_path_of": {str(v): p for v, p in self.follower.path_of.items()},
             "arrival_s": {str(k): round(v, 3) for k, v in self.follower.arrival_s.items()},
             "trusted_key": self.trust.key.text if self.trust.key else None,
         }

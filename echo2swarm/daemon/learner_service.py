@@ -31,7 +31,7 @@ from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpo
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
-from echo2swarm.learner.publisher import PublishedVersion, Publisher, model_files
+from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, PublishedVersion, Publisher, model_files
 from echo2swarm.learner.verify import NonFiniteWeightsError
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
 from echo2swarm.policy.server import Handler
@@ -70,6 +70,12 @@ class LearnerService:
         self.extra_files: dict[str, Path | bytes] = {}  # config and tokenizer files published with each version
         self.wait_s = self.busy_s = 0.0
         self.rollbacks = 0  # times the policy went non-finite and was reset to the last published version
+        # Delta versions: the last published tensors and the last keyframe's (publish dtype), the bytes
+        # of the deltas since that keyframe, and what each recent version cost (stats, /metrics).
+        self.previous: DeltaBase | None = None
+        self.keyframe: DeltaBase | None = None
+        self.chain_bytes = 0
+        self.history: deque[PublishedVersion] = deque(maxlen=16)
         # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
         self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
 
@@ -122,18 +128,36 @@ class LearnerService:
         logger.info("policy key %s; followers pin it with --trust %s", self.key.public.fingerprint, self.key.public.text)
 
     async def _publish(self) -> float:
+        """Publish the policy in the engine's dtype (publish.dtype) as version `self.version`: a keyframe
+        or a delta against the previous version (learner/publisher.py)."""
         started = time.perf_counter()
+        publish = self.config.publish
         try:
-            weights = await asyncio.to_thread(self.trainer.weights_bytes)
+            state = await asyncio.to_thread(self.trainer.weights_state, self.trainer.publish_dtype(publish.dtype))
         except NonFiniteWeightsError as e:  # never signed; training goes on from the last good version
             await self._roll_back(str(e))
             return time.perf_counter() - started
-        files: dict[str, Path | bytes] = {**self.extra_files, "model.safetensors": weights}
-        self.published = await asyncio.to_thread(self.publisher.publish_files, files, self.version)
+        if self.previous is None:
+            await asyncio.to_thread(self._load_bases, state)
+        published = await asyncio.to_thread(
+            self.publisher.publish_state, state, self.extra_files, self.version, previous=self.previous,
+            keyframe=self.keyframe, keyframe_every=publish.keyframe_every, max_ratio=publish.delta_max_ratio,
+            chain_bytes=self.chain_bytes, composites=publish.composites,
+        )
+        self.published = published
+        self.history.append(published)
+        self.previous = DeltaBase(published.version, published.manifest_sha256, state)
+        if published.kind == "dense":
+            self.keyframe, self.chain_bytes = self.previous, 0
+        else:
+            self.chain_bytes += published.delta_bytes or 0
         self.broadcast.plan(self.version)
-        # Keep a few versions beyond the staleness window: a slow follower may still be fetching one.
+        # Keep a few versions beyond the staleness window (a slow follower may still be fetching one),
+        # and the last keyframe with every version since: the paths followers catch up by.
         keep = max(self.config.store.keep_versions, self.train.staleness + 4)
-        await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks, keep)
+        assert self.keyframe is not None
+        chain = set(range(self.keyframe.version, published.version + 1))
+        await asyncio.to_thread(collect_garbage, self.ctx.versions, self.ctx.chunks, keep, chain)
         if self.intake is not None:
             self.intake.published(self.version, self._head_json())
         self.ctx.announcer.trigger()
@@ -148,11 +172,39 @@ class LearnerService:
                      self.version, why, self.published.version)
         from safetensors.torch import load_file
 
-        path = self.ctx.versions.dir(self.published.version) / "model.safetensors"
-        tensors = await asyncio.to_thread(load_file, str(path))
+        if self.previous is not None and self.previous.version == self.published.version:
+            tensors = self.previous.tensors  # in the publish dtype; load_weights casts into the fp32 masters
+        else:
+            path = self.ctx.versions.dir(self.published.version) / WEIGHTS_FILE
+            tensors = await asyncio.to_thread(load_file, str(path))
         self.trainer.load_weights(tensors)
         self.trainer.optimizer.state.clear()
         self.rollbacks += 1
+
+    def _load_bases(self, state: dict[str, Any]) -> None:
+        """After a restart: the last version in our store (and its keyframe) as delta bases, when its
+        weights have the same tensors and dtypes as `state`; otherwise the next version is a keyframe."""
+        from safetensors.torch import load_file
+
+        from echo2swarm.policy.manifest import sha256_hex
+
+        versions = self.ctx.versions
+        latest = versions.latest()
+        manifest = versions.manifest(latest) if latest is not None else None
+        if manifest is None or manifest.weights_file is None or any(t.sha256 is None for t in manifest.tensors):
+            return
+        keyframe_version = manifest.keyframe.version if manifest.keyframe is not None else manifest.version
+        bases = []
+        for v in (manifest.version, keyframe_version):
+            data = versions.manifest_bytes(v)
+            if data is None or not (versions.dir(v) / WEIGHTS_FILE).is_file():
+                return
+            tensors = load_file(str(versions.dir(v) / WEIGHTS_FILE))
+            if set(tensors) != set(state) or any(tensors[k].dtype != state[k].dtype for k in state):
+                return
+            bases.append(DeltaBase(v, sha256_hex(data), tensors))
+        self.previous, self.keyframe = bases
+        logger.info("delta base after restart: v%d (keyframe v%d)", self.previous.version, self.keyframe.version)
 
     def head(self) -> HeadRecord | None:
         if self.published is None:
@@ -319,6 +371,8 @@ class LearnerService:
                        peers=self.intake.ledger.snapshot())
         out["capacity"] = self.activation.snapshot()
         out["rollbacks"] = self.rollbacks
+        # per version: dense or delta, dense bytes, delta bytes, ratio (dense / delta), composite bytes
+        out["versions"] = {str(p.version): p.report() for p in self.history}
         return out
 
 

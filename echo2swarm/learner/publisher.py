@@ -2,6 +2,16 @@
 
 Only safetensors weights and plain config/tokenizer files are published: never pickled weights
 or Python files, which would run code on every rollout peer that loads them.
+
+Trained weights (`publish_state`) go out as a keyframe (dense) or a delta against the previous
+version (policy/delta.py), whichever `keyframe_due` says:
+
+    v1 dense ─► v2 Δ(v1) ─► v3 Δ(v2) + composite Δ(v1) ─► ... ─► v11 dense + Δ(v10) ─► v12 Δ(v11) ...
+
+A delta version's manifest names its base and keyframe by manifest sha256 and carries every
+resulting tensor's sha256; a keyframe also offers the delta from the previous version, so a peer
+that follows every version never downloads a dense copy after it joined. The learner's own
+version directory always holds the dense weights (the verifier and rollback read them).
 """
 
 from __future__ import annotations
@@ -9,12 +19,15 @@ from __future__ import annotations
 import hashlib
 import io
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from echo2swarm.policy.manifest import (
     SAFETENSORS_MAX_HEADER,
+    BaseRef,
     ChunkRef,
+    DeltaFile,
     FileEntry,
     Manifest,
     SignedManifest,
@@ -27,8 +40,16 @@ from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 
+if TYPE_CHECKING:  # torch only where weights are encoded: importing this module stays light
+    import torch
+
 logger = get_logger(__name__)
 PUBLISHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model", ".tiktoken")
+WEIGHTS_FILE = "model.safetensors"
+
+
+def delta_file_name(base: int) -> str:
+    return f"delta-from-v{base:08d}.e2sd"
 
 
 class ModelDirError(ValueError):
@@ -53,11 +74,49 @@ def model_files(model_dir: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class PublishedVersion:
-    """A version in the learner's stores, ready to be announced by a signed head."""
+    """A version in the learner's stores, ready to be announced by a signed head.
+
+    `kind` is "dense" (a keyframe) or "delta"; `delta_bytes` the delta from the previous version
+    (offered by keyframes too), `composite_bytes` the composite from the keyframe (None: none)."""
 
     version: int
     manifest_sha256: str
     manifest_size: int
+    kind: str = "dense"
+    dense_bytes: int = 0
+    delta_bytes: int | None = None
+    composite_bytes: int | None = None
+    keyframe_reason: str | None = None
+
+    def report(self) -> dict[str, object]:
+        ratio = None if not self.delta_bytes else round(self.dense_bytes / self.delta_bytes, 2)
+        return {"kind": self.kind, "dense_bytes": self.dense_bytes, "delta_bytes": self.delta_bytes,
+                "composite_bytes": self.composite_bytes, "ratio": ratio, "keyframe_reason": self.keyframe_reason}
+
+
+@dataclass
+class DeltaBase:
+    """A published version's tensors (in the publish dtype), kept to encode the next deltas against."""
+
+    version: int
+    manifest_sha256: str
+    tensors: "dict[str, torch.Tensor]" = field(repr=False)
+
+
+def keyframe_due(version: int, keyframe: int | None, delta_bytes: int | None, dense_bytes: int,
+                 keyframe_every: int, max_ratio: float) -> str | None:
+    """Why `version` must be dense (a keyframe), or None: publish it as a delta.
+
+    "first": no base to delta against; "interval": `keyframe_every` versions since the last
+    keyframe; "ratio": the delta is not at most `max_ratio` of the dense weights.
+    """
+    if keyframe is None or delta_bytes is None:
+        return "first"
+    if version - keyframe >= keyframe_every:
+        return "interval"
+    if delta_bytes > max_ratio * dense_bytes:
+        return "ratio"
+    return None
 
 
 class Publisher:
@@ -121,6 +180,64 @@ class Publisher:
             self.key.public.fingerprint, time.monotonic() - started,
         )
         return PublishedVersion(version, sha256_hex(envelope), len(envelope))
+
+    def publish_state(
+        self, state: "dict[str, torch.Tensor]", extras: dict[str, Path | bytes], version: int, *,
+        previous: DeltaBase | None, keyframe: DeltaBase | None, keyframe_every: int, max_ratio: float,
+        chain_bytes: int = 0, composites: bool = True,
+    ) -> PublishedVersion:
+        """Publish trained tensors (in the publish dtype) as `version`: a keyframe or a delta.
+
+        `previous` is the last published version, `keyframe` the last dense one, `chain_bytes` the
+        sum of the deltas published since it (a composite from the keyframe is offered only when
+        it is smaller than that chain). Returns what was published, with its byte counts.
+        """
+        from safetensors.torch import save as save_safetensors
+
+        from echo2swarm.policy.delta import encode_delta, tensor_sha256
+
+        started = time.monotonic()
+        dense = save_safetensors(state, metadata={"format": "pt"})
+        primary = encode_delta(previous.tensors, state) if previous is not None else None
+        reason = keyframe_due(version, keyframe.version if keyframe else None,
+                              None if primary is None else len(primary), len(dense), keyframe_every, max_ratio)
+        header = self._tensors(WEIGHTS_FILE, dense)
+        tensors = [t.model_copy(update={"sha256": tensor_sha256(state[t.name])}) for t in header]
+        names = sorted(extras)
+        entries = [self._add_file(name, extras[name]) for name in names if name != WEIGHTS_FILE]
+        deltas: list[DeltaFile] = []
+        if primary is not None and previous is not None and len(primary) < len(dense):
+            deltas.append(DeltaFile(base=BaseRef(version=previous.version, manifest_sha256=previous.manifest_sha256),
+                                    file=self._add_file(delta_file_name(previous.version), primary)))
+        composite = None
+        if composites and reason is None and keyframe is not None and previous is not None \
+                and keyframe.version != previous.version:
+            blob = encode_delta(keyframe.tensors, state)
+            if len(blob) < chain_bytes + len(primary or b""):
+                composite = len(blob)
+                deltas.append(DeltaFile(base=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256),
+                                        file=self._add_file(delta_file_name(keyframe.version), blob)))
+        if reason is not None:  # dense: the weights are a file of the version; deltas are alternatives
+            entries = sorted(entries + [self._add_file(WEIGHTS_FILE, dense)], key=lambda e: e.name)
+            manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000),
+                                chunk_size=self.chunk_size, files=entries, tensors=tensors, alternatives=deltas)
+        else:
+            assert keyframe is not None
+            manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000),
+                                chunk_size=self.chunk_size, files=entries, tensors=tensors,
+                                delta=deltas[0], alternatives=deltas[1:],
+                                keyframe=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256))
+        envelope = SignedManifest.sign(manifest, self.key).to_bytes()
+        self.versions.install(manifest, envelope, self.chunks,
+                              extra=None if manifest.delta is None else {WEIGHTS_FILE: dense})
+        published = PublishedVersion(
+            version, sha256_hex(envelope), len(envelope), kind="dense" if reason else "delta", dense_bytes=len(dense),
+            delta_bytes=None if primary is None else len(primary), composite_bytes=composite, keyframe_reason=reason,
+        )
+        logger.debug("published policy v%d (%s%s): dense %d bytes, delta %s, composite %s (%.2f s)", version,
+                     published.kind, f", {reason}" if reason else "", len(dense), published.delta_bytes, composite,
+                     time.monotonic() - started)
+        return published
 
     def sign_head(
         self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from echo2swarm.config.models import FetchConfig
-from echo2swarm.policy.manifest import ChunkRef, Manifest, ManifestError, verify_manifest
+from echo2swarm.policy.manifest import BaseRef, ChunkRef, Manifest, ManifestError, verify_linked_manifest, verify_manifest
 from echo2swarm.policy.sources import (
     ChunkSource,
     Route,
@@ -162,16 +162,33 @@ class PolicyFetcher:
         """The first manifest among `sources` that verifies. Banned sources are skipped, except
         `publisher` (the name of the learner's source), which is always asked."""
         limit = min(head.manifest_size, self.config.max_manifest_bytes)
+        return await self._first_manifest(
+            head.version, limit, sources, publisher,
+            lambda data: verify_manifest(data, head, trusted=trusted, swarm=swarm, max_chunk_bytes=self.config.max_chunk_bytes),
+        )
+
+    async def fetch_linked_manifest(
+        self, ref: BaseRef, sources: list[ChunkSource], *, trusted: PublicKey, swarm: str, publisher: str | None = None,
+    ) -> tuple[Manifest, bytes]:
+        """An older version's manifest named by a hash link (a delta's base, a keyframe), verified like
+        `fetch_manifest` but against the link's sha256."""
+        return await self._first_manifest(
+            ref.version, self.config.max_manifest_bytes, sources, publisher,
+            lambda data: verify_linked_manifest(data, ref, trusted=trusted, swarm=swarm,
+                                                max_chunk_bytes=self.config.max_chunk_bytes),
+        )
+
+    async def _first_manifest(
+        self, version: int, limit: int, sources: list[ChunkSource], publisher: str | None,
+        verify: Callable[[bytes], Manifest],
+    ) -> tuple[Manifest, bytes]:
         last: Exception | None = None
         for source in sources:
             if source.name != publisher and self.bans.banned(source.name):
                 continue
             try:
-                data = await source.manifest(head.version, limit)
-                manifest = verify_manifest(
-                    data, head, trusted=trusted, swarm=swarm, max_chunk_bytes=self.config.max_chunk_bytes
-                )
-                return manifest, data
+                data = await source.manifest(version, limit)
+                return verify(data), data
             except SourceError as e:
                 self.stats["source_error"] += 1
                 if isinstance(e, SourceFault):
@@ -183,13 +200,13 @@ class PolicyFetcher:
             except ManifestError as e:
                 # A signed head but a bad manifest means the source lies: try the next one.
                 self.stats[f"manifest_{e.reason}"] += 1
-                logger.warning("manifest v%d from %s refused: %s", head.version, source.name, e)
+                logger.warning("manifest v%d from %s refused: %s", version, source.name, e)
                 if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
                     self._fault(source, "bad_manifest", str(e), publisher)
                 last = e
         if isinstance(last, ManifestError):
             raise last
-        raise FetchError(f"no source delivered manifest v{head.version}: {last}")
+        raise FetchError(f"no source delivered manifest v{version}: {last}")
 
     def _keep(self, sha256: str, data: bytes, sink: Assembly | None) -> None:
         self.chunks.put(sha256, data)  # raises ChunkHashError before anything is kept
@@ -215,15 +232,17 @@ class PolicyFetcher:
 
     async def fetch_chunks(
         self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None,
-        sink: Assembly | None = None, publisher: str | None = None,
+        sink: Assembly | None = None, publisher: str | None = None, refs: list[ChunkRef] | None = None,
     ) -> int:
-        """Fetch every chunk not yet stored, in manifest order. Returns the number fetched.
+        """Fetch every chunk not yet stored, in manifest order (of `refs`: a delta path's chunks, else
+        the manifest's default path). Returns the number fetched.
 
         Each chunk is hashed in memory, stored, and (with `sink`) written straight into the
         version's files being assembled. `publisher` names the learner's source: never banned,
         only paused (`SourceBans`).
         """
-        missing = [(i, ref) for i, ref in enumerate(manifest.chunk_refs()) if not self.chunks.has(ref.sha256)]
+        refs = manifest.chunk_refs() if refs is None else refs
+        missing = [(i, ref) for i, ref in enumerate(refs) if not self.chunks.has(ref.sha256)]
         self.bytes_from = Counter()
         slots = asyncio.Semaphore(self.config.parallel_chunks)
 

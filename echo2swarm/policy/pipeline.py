@@ -19,7 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from echo2swarm.policy.manifest import Manifest
+from echo2swarm.policy.manifest import ChunkRef, Manifest
 
 POKE_INTERVAL_S = 1.0  # seconds between two pokes of the follower caused by requests
 
@@ -33,11 +33,12 @@ class InFlight:
         self._begun = asyncio.Event()
         self._last_poke = float("-inf")
 
-    def begin(self, manifest: Manifest, envelope: bytes, held: set[str]) -> None:
+    def begin(self, manifest: Manifest, envelope: bytes, held: set[str], refs: list[ChunkRef] | None = None) -> None:
+        """A fetch of `manifest` begins: its chunks (`refs`, a delta path's; else the default path's) arrive."""
         self.version = manifest.version
         self.manifest_bytes = envelope
         self._expected = {}
-        for ref in manifest.chunk_refs():
+        for ref in manifest.chunk_refs() if refs is None else refs:
             event = self._expected.setdefault(ref.sha256, asyncio.Event())
             if ref.sha256 in held:
                 event.set()

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from echo2swarm.policy.manifest import Manifest
+from echo2swarm.policy.manifest import FileEntry, Manifest
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,6 +88,10 @@ class ChunkStore:
         if not path.exists():
             _atomic_write(path, data)
 
+    def discard(self, sha256: str) -> None:
+        """Forget a chunk (a refused delta's): it is no longer served."""
+        self.path(sha256).unlink(missing_ok=True)
+
     def get(self, sha256: str) -> bytes:
         return self.path(sha256).read_bytes()
 
@@ -139,12 +143,16 @@ class VersionStore:
     def installed(self, version: int) -> bool:
         return self.dir(version).is_dir() and self.manifest_path(version).is_file()
 
-    def begin(self, manifest: Manifest) -> "Assembly":
-        """Start assembling `manifest`'s files in a temp dir; chunks are written as they arrive."""
-        return Assembly(self.root, manifest)
+    def begin(self, manifest: Manifest, files: list[FileEntry] | None = None) -> "Assembly":
+        """Start assembling `manifest`'s files (or `files`: a delta path's) in a temp dir; chunks are
+        written as they arrive."""
+        return Assembly(self.root, manifest, files)
 
-    def commit(self, assembly: "Assembly", envelope: bytes, chunks: ChunkStore) -> Path:
-        """Place the chunks still missing (from `chunks`, re-hashed), then publish the version atomically."""
+    def commit(self, assembly: "Assembly", envelope: bytes, chunks: ChunkStore,
+               extra: dict[str, bytes] | None = None) -> Path:
+        """Place the chunks still missing (from `chunks`, re-hashed), then publish the version atomically.
+
+        `extra`: files that are not chunks of the manifest (a delta version's rebuilt, verified weights)."""
         version = assembly.manifest.version
         final = self.dir(version)
         if self.installed(version):
@@ -153,6 +161,10 @@ class VersionStore:
         try:
             assembly.fill(chunks)
             assembly.close()
+            for name, data in (extra or {}).items():
+                if not re.fullmatch(r"(?!\.)[A-Za-z0-9._-]{1,128}", name):
+                    raise ValueError(f"not a plain file name: {name[:80]!r}")
+                (assembly.tmp / name).write_bytes(data)
             if final.exists():  # a directory without its manifest: a crash before the manifest was written
                 shutil.rmtree(final)
             os.replace(assembly.tmp, final)
@@ -163,11 +175,21 @@ class VersionStore:
         _atomic_write(self.manifest_path(version), envelope)
         return final
 
-    def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore) -> Path:
-        """Assemble every file of `manifest` from stored chunks (each re-hashed as it is read), then publish."""
+    def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore,
+                extra: dict[str, bytes] | None = None) -> Path:
+        """Assemble every file of `manifest`'s default path from stored chunks (each re-hashed as it is
+        read), add `extra` (a delta version's dense weights), then publish."""
         if self.installed(manifest.version):
             return self.dir(manifest.version)
-        return self.commit(self.begin(manifest), envelope, chunks)
+        files = manifest.path_files(manifest.delta) if manifest.delta is not None else None
+        return self.commit(self.begin(manifest, files), envelope, chunks, extra)
+
+    def manifest(self, version: int) -> Manifest | None:
+        """The installed manifest of `version` (parsed, not re-verified: it was verified when installed)."""
+        from echo2swarm.policy.manifest import SignedManifest
+
+        data = self.manifest_bytes(version)
+        return None if data is None else SignedManifest.model_validate_json(data).manifest
 
     def remove(self, version: int) -> None:
         self.manifest_path(version).unlink(missing_ok=True)
@@ -185,15 +207,16 @@ class Assembly:
     Thread-safe for concurrent `write`s (each is a set of positioned writes to distinct ranges).
     """
 
-    def __init__(self, root: Path, manifest: Manifest):
+    def __init__(self, root: Path, manifest: Manifest, files: list[FileEntry] | None = None):
         self.manifest = manifest
+        self.files = list(manifest.files if files is None else files)
         self.tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-v{manifest.version}-"))
         self._fds: list[int] = []
         self._places: dict[str, list[tuple[int, int]]] = {}  # sha256 -> (fd, offset) of every copy
         self._written: set[str] = set()
         self._lock = threading.Lock()
         try:
-            for entry in manifest.files:
+            for entry in self.files:
                 fd = os.open(self.tmp / entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
                 self._fds.append(fd)
                 os.ftruncate(fd, entry.size)
@@ -256,7 +279,7 @@ def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int, in_us
     for v in kept:
         data = versions.manifest_bytes(v)
         if data:
-            referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.chunk_refs())
+            referenced.update(ref.sha256 for ref in SignedManifest.model_validate_json(data).manifest.all_chunk_refs())
     removed = chunks.remove_except(referenced)
     logger.debug("garbage-collected versions %s and %d chunks", drop, removed)
     return drop
