@@ -18,6 +18,7 @@ the follower plans again without that delta (the keyframe path).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +71,12 @@ class Hop:
 
 
 def choose_path(chain: list[Linked], held: dict[int, str],
-                bad: set[tuple[int, str]] = frozenset()) -> tuple[list[Hop], str] | None:  # type: ignore[assignment]
+                bad: Collection[tuple[int, int, str]] = ()) -> tuple[list[Hop], str] | None:
     """The cheapest hops (fewest weight bytes) to install `chain[0]`, and its path label.
 
     `chain` is the target first, then the manifests its primary deltas name, walking back; `held`
-    maps the versions we have installed to their manifest sha256; `bad` holds (version, delta file
-    sha256) of deltas refused before. None: no path (nothing held links in and no keyframe reached).
+    maps the versions we have installed to their manifest sha256; `bad` holds (version, base version,
+    delta file sha256) of deltas refused before. None: no path (nothing held links in and no keyframe reached).
     """
     n = len(chain)
     best: list[tuple[int, list[Hop]] | None] = [None] * n
@@ -90,7 +91,7 @@ def choose_path(chain: list[Linked], held: dict[int, str],
             hop = Hop(linked, None)
             options.append((hop.cost, [hop]))
         for d in m.deltas():
-            if (m.version, d.file.sha256) in bad:
+            if (m.version, d.base.version, d.file.sha256) in bad:
                 continue
             hop = Hop(linked, d)
             if held.get(d.base.version) == d.base.manifest_sha256:
@@ -146,7 +147,7 @@ def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest
     from echo2swarm.policy.delta import DeltaError, apply_delta
 
     if hashlib.sha256(blob).hexdigest() != delta.file.sha256:  # every chunk was checked; the whole, again
-        raise DeltaRefused("delta_hash", f"v{manifest.version}: the assembled delta does not match its sha256")
+        raise DeltaRefused("blob_hash", f"v{manifest.version}: the assembled delta does not match its sha256")
     if base.weights_file is None:
         raise DeltaRefused("wrong_base", f"v{manifest.version}: base v{base.version} has no single weights file")
     base_tensors = load_file(str(base_dir / base.weights_file))

@@ -305,7 +305,7 @@ class PolicyFollower:
     async def _catch_up(self, head: HeadRecord, publisher: ChunkSource, target: Linked) -> Path | None:
         """Install the target version by the cheapest path; a refused delta is excluded and we plan
         again (at most 3 times). None: the version is refused (nothing installed, nothing announced)."""
-        bad: set[tuple[int, str]] = set()
+        bad: set[tuple[int, int, str]] = set()
         before = self.fetcher.stats["bytes_fetched"]
         for _ in range(3):
             chain = await self._walk_back(head, publisher, target)
@@ -326,7 +326,7 @@ class PolicyFollower:
                                "a delta" if hop.delta else "its dense files", e.reason, e)
                 if hop.delta is None:
                     break
-                bad.add((hop.linked.manifest.version, hop.delta.file.sha256))
+                bad.add((hop.linked.manifest.version, hop.delta.base.version, hop.delta.file.sha256))
                 continue
             version = target.manifest.version
             self.last_path = label

@@ -1,0 +1,229 @@
+"""Delta versions: manifest rules, the keyframe decision, the follower's path choice, rebuild checks and GC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, Publisher, keyframe_due
+from echo2swarm.policy.catchup import DeltaRefused, Linked, check_tensors, choose_path, rebuild
+from echo2swarm.policy.delta import encode_delta, tensor_sha256
+from echo2swarm.policy.manifest import (
+    BaseRef,
+    DeltaFile,
+    Manifest,
+    ManifestError,
+    TensorInfo,
+    file_entry,
+    sha256_hex,
+    verify_linked_manifest,
+)
+from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
+from echo2swarm.wire.signing import PolicyKey
+
+PEER_ID = "12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"
+SHA = "ab" * 32
+
+
+def _states(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    state = {"w": (torch.randn(128, 64, generator=g) * 0.02).bfloat16(), "b": torch.randn(64, generator=g).bfloat16()}
+    out = [state]
+    for _ in range(n - 1):
+        state = {k: (t.float() * (1 + 0.02 * (torch.rand(t.shape, generator=g) < 0.03))).bfloat16() for k, t in state.items()}
+        out.append(state)
+    return out
+
+
+def _delta_manifest(**overrides: object) -> Manifest:
+    config, _ = file_entry("config.json", b"{}", 4)
+    delta, _ = file_entry("delta-from-v00000002.e2sd", b"0123456789", 4)
+    fields: dict[str, object] = dict(
+        swarm="s", version=3, created_ms=1, chunk_size=4, files=[config],
+        tensors=[TensorInfo(name="w", dtype="BF16", shape=[2], file=WEIGHTS_FILE, sha256=SHA)],
+        delta=DeltaFile(base=BaseRef(version=2, manifest_sha256=SHA), file=delta),
+        keyframe=BaseRef(version=1, manifest_sha256=SHA),
+    )
+    fields.update(overrides)
+    return Manifest(**fields)  # type: ignore[arg-type]
+
+
+def test_a_delta_manifest_validates_and_its_default_path_is_config_plus_delta():
+    m = _delta_manifest()
+    assert m.weights_file == WEIGHTS_FILE and m.dense_bytes == 4
+    assert [c.sha256 for c in m.chunk_refs()] == [c.sha256 for c in m.files[0].chunks + m.delta.file.chunks]  # type: ignore[union-attr]
+    assert m.total_bytes == 2 + 10
+    with pytest.raises(ValueError, match="no dense path"):
+        m.path_files(None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"keyframe": None}, "older keyframe"),
+    ({"tensors": [TensorInfo(name="w", dtype="BF16", shape=[2], file=WEIGHTS_FILE)]}, "sha256"),
+    ({"tensors": [TensorInfo(name="w", dtype="BF16", shape=[2], file="config.json", sha256=SHA)]}, "rebuilt"),
+    ({"delta": DeltaFile(base=BaseRef(version=3, manifest_sha256=SHA), file=file_entry("d.e2sd", b"x", 4)[0])}, "older"),
+    ({"delta": DeltaFile(base=BaseRef(version=2, manifest_sha256=SHA), file=file_entry("config.json", b"x", 4)[0])},
+     "differ"),
+    ({"delta": DeltaFile(base=BaseRef(version=2, manifest_sha256=SHA), file=file_entry("d.e2sd", b"x" * 9, 8)[0])},
+     "larger than chunk_size"),
+    ({"alternatives": [DeltaFile(base=BaseRef(version=2, manifest_sha256=SHA), file=file_entry("e.e2sd", b"x", 4)[0])]},
+     "own base"),
+    ({"tensors": [TensorInfo(name="w", dtype="BF16", shape=[2], file="../x", sha256=SHA)]}, "plain file name"),
+])
+def test_malformed_delta_manifests_are_refused(overrides: dict[str, object], message: str):
+    with pytest.raises(ValidationError, match=message):
+        _delta_manifest(**overrides)
+
+
+def test_a_dense_manifest_has_no_keyframe_and_at_most_eight_alternatives():
+    weights, _ = file_entry(WEIGHTS_FILE, b"abcd", 4)
+    tensors = [TensorInfo(name="w", dtype="BF16", shape=[2], file=WEIGHTS_FILE, sha256=SHA)]
+    Manifest(swarm="s", version=2, created_ms=1, chunk_size=4, files=[weights], tensors=tensors)
+    with pytest.raises(ValidationError, match="keyframe must be unset"):
+        Manifest(swarm="s", version=2, created_ms=1, chunk_size=4, files=[weights], tensors=tensors,
+                 keyframe=BaseRef(version=1, manifest_sha256=SHA))
+    alternatives = [DeltaFile(base=BaseRef(version=v, manifest_sha256=SHA), file=file_entry(f"d{v}", b"x", 4)[0])
+                    for v in range(1, 11)]
+    with pytest.raises(ValidationError, match="at most 8"):
+        Manifest(swarm="s", version=20, created_ms=1, chunk_size=4, files=[weights], tensors=tensors,
+                 alternatives=alternatives)
+
+
+@pytest.mark.parametrize("version, keyframe, delta, expected", [
+    (1, None, None, "first"), (5, 1, 10, None), (11, 1, 10, "interval"), (5, 1, 60, "ratio"), (5, 1, 50, None),
+])
+def test_keyframe_due(version: int, keyframe: int | None, delta: int | None, expected: str | None):
+    assert keyframe_due(version, keyframe, delta, 100, keyframe_every=10, max_ratio=0.5) == expected
+
+
+@pytest.fixture
+def published(tmp_path: Path):
+    """v1..v7 with keyframes every 4 (v1, v5), as the learner publishes them."""
+    key = PolicyKey.generate()
+    chunks, versions = ChunkStore(tmp_path), VersionStore(tmp_path)
+    publisher = Publisher("s", key, chunks, versions, 64 * 1024, PEER_ID)
+    states, previous, keyframe, chain, kinds = _states(7), None, None, 0, {}
+    for v, state in enumerate(states, start=1):
+        p = publisher.publish_state(state, {"config.json": b"{}"}, v, previous=previous, keyframe=keyframe,
+                                    keyframe_every=4, max_ratio=0.5, chain_bytes=chain)
+        kinds[v] = p.kind
+        previous = DeltaBase(v, p.manifest_sha256, state)
+        keyframe, chain = (previous, 0) if p.kind == "dense" else (keyframe, chain + (p.delta_bytes or 0))
+    linked = {v: Linked(versions.manifest(v), versions.manifest_bytes(v)) for v in range(1, 8)}  # type: ignore[arg-type]
+    return key, chunks, versions, states, kinds, linked
+
+
+def test_the_learner_publishes_keyframes_every_k_and_deltas_with_composites_between(published):
+    _, _, versions, states, kinds, linked = published
+    assert kinds == {1: "dense", 2: "delta", 3: "delta", 4: "delta", 5: "dense", 6: "delta", 7: "delta"}
+    v5, v7 = linked[5].manifest, linked[7].manifest
+    assert [d.base.version for d in v5.alternatives] == [4]  # a keyframe offers the delta from v4
+    assert v7.delta.base.version == 6 and [d.base.version for d in v7.alternatives] == [5]  # type: ignore[union-attr]
+    assert v7.keyframe == BaseRef(version=5, manifest_sha256=linked[5].sha256)
+    for v, state in enumerate(states, start=1):  # every version's dense weights are in the learner's store
+        m = linked[v].manifest
+        assert {t.name: t.sha256 for t in m.tensors} == {k: tensor_sha256(t) for k, t in state.items()}
+        assert (versions.dir(v) / WEIGHTS_FILE).is_file()
+
+
+def _chain(linked: dict[int, Linked], target: int, stop: int) -> list[Linked]:
+    return [linked[v] for v in range(target, stop - 1, -1)]
+
+
+def _route(choice) -> list[tuple[int, int | None]]:
+    hops, _ = choice
+    return [(h.linked.manifest.version, h.delta.base.version if h.delta else None) for h in hops]
+
+
+def test_path_choice(published):
+    *_, linked = published
+    sha = {v: l.sha256 for v, l in linked.items()}
+    chain = _chain(linked, 7, 5)  # the walk back from v7 stops at the keyframe v5
+    # nothing held: the keyframe, then the cheaper of its composite and the chain
+    choice = choose_path(chain, {})
+    assert choice is not None and choice[1] == "keyframe" and _route(choice)[0] == (5, None)
+    # v6 held: one delta
+    assert _route(choose_path(chain, {6: sha[6]})) == [(7, 6)]
+    assert choose_path(chain, {6: sha[6]})[1] == "delta"  # type: ignore[index]
+    # the keyframe held: its composite
+    choice = choose_path(chain, {5: sha[5]})
+    assert _route(choice) == [(7, 5)] and choice[1] == "composite"  # type: ignore[index]
+    # v4 held (before the keyframe): v5 by its delta from v4, then on
+    choice = choose_path(_chain(linked, 7, 4), {4: sha[4]})
+    assert choice is not None and _route(choice)[0] == (5, 4) and choice[1] in ("chain", "composite")
+    # a held v6 from another learner (different manifest) does not count
+    assert _route(choose_path(chain, {6: "0" * 64})) [0] == (5, None)
+
+
+def test_a_refused_delta_is_planned_around(published):
+    *_, linked = published
+    sha = {v: l.sha256 for v, l in linked.items()}
+    chain = _chain(linked, 7, 5)
+    primary = linked[7].manifest.delta
+    assert primary is not None
+    choice = choose_path(chain, {6: sha[6], 5: sha[5]}, bad={(7, 6, primary.file.sha256)})
+    assert _route(choice) == [(7, 5)]
+    composite = linked[7].manifest.alternatives[0]
+    assert choose_path(chain, {6: sha[6]}, bad={(7, 6, primary.file.sha256), (7, 5, composite.file.sha256)}) is None
+
+
+def test_rebuild_is_bit_exact_and_refuses_wrong_bases_and_hashes(published):
+    _, chunks, versions, states, _, linked = published
+    m7 = linked[7].manifest
+    assert m7.delta is not None
+    blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
+    weights = rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob)
+    assert weights == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
+    with pytest.raises(DeltaRefused) as e:  # applied to the wrong base: the hashes cannot match
+        rebuild(m7, m7.delta, versions.dir(4), linked[4].manifest, blob)
+    assert e.value.reason == "tensor_hash"
+    with pytest.raises(DeltaRefused) as e:
+        rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob[:-1] + bytes([blob[-1] ^ 1]))
+    assert e.value.reason == "blob_hash"
+    with pytest.raises(DeltaRefused) as e:
+        check_tensors(m7, {"w": states[6]["w"]})
+    assert e.value.reason == "tensor_names"
+    with pytest.raises(DeltaRefused) as e:
+        check_tensors(m7, {**states[6], "b": states[6]["b"].float()})
+    assert e.value.reason == "tensor_shape"
+
+
+def test_a_delta_against_an_unrelated_base_is_refused_as_wrong_base(published, tmp_path: Path):
+    """The held base is another model (other tensors): apply_delta refuses before anything is rebuilt."""
+    from safetensors.torch import save_file
+
+    _, chunks, _, _, _, linked = published
+    m7 = linked[7].manifest
+    assert m7.delta is not None
+    blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
+    (tmp_path / "other").mkdir()
+    save_file({"x": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "other" / WEIGHTS_FILE))
+    with pytest.raises(DeltaRefused) as e:
+        rebuild(m7, m7.delta, tmp_path / "other", linked[6].manifest, blob)
+    # apply_delta's own label: the base's shape bounds the decompression ("too_large") or the header
+    assert e.value.reason in ("wrong_base", "too_large", "malformed")
+    assert encode_delta  # the codec is the committed one (policy/delta.py)
+
+
+def test_linked_manifests_are_checked_against_the_link(published):
+    key, _, _, _, _, linked = published
+    ref = linked[7].manifest.delta.base  # type: ignore[union-attr]
+    assert verify_linked_manifest(linked[6].envelope, ref, trusted=key.public, swarm="s").version == 6
+    with pytest.raises(ManifestError) as e:
+        verify_linked_manifest(linked[5].envelope, ref, trusted=key.public, swarm="s")
+    assert e.value.reason == "hash_mismatch"
+    with pytest.raises(ManifestError) as e:
+        verify_linked_manifest(linked[6].envelope, BaseRef(version=5, manifest_sha256=sha256_hex(linked[6].envelope)),
+                               trusted=key.public, swarm="s")
+    assert e.value.reason == "version_mismatch"
+
+
+def test_gc_keeps_the_keyframe_chain_and_every_delta_file_of_kept_versions(published):
+    _, chunks, versions, _, _, linked = published
+    dropped = collect_garbage(versions, chunks, keep=1, in_use=set(range(5, 8)))
+    assert dropped == [1, 2, 3, 4] and versions.versions() == [5, 6, 7]
+    for v in (5, 6, 7):  # the composites and alternatives stay servable, not only the default path
+        assert all(chunks.has(r.sha256) for r in linked[v].manifest.all_chunk_refs())
