@@ -7,20 +7,29 @@
 A delta is exact: it compares bit patterns, not values (so -0.0 vs 0.0 and NaN payloads are
 changes like any other), and rebuilding gives the same bytes as the learner's dense tensor.
 
-Format "e2s-delta/1": one zstandard frame (level `ZSTD_LEVEL`, single-threaded, content size in
+Format "e2s-delta/1": one zstandard frame (level `ZSTD_LEVEL` = 1, single-threaded, content size in
 the frame header, no checksum) whose content is, all integers little-endian:
 
     header     "E2SD" | u16 version = 1 | u32 n_tensors
     table      per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
                  u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel | u64 n_changed
-    positions  for each tensor in table order, for each changed item in index order: the gap
-               (index - previous index; the first gap counts from -1, so every gap is >= 1) as an
-               unsigned LEB128 varint in its shortest form (7 bits a byte, low bits first, high bit
-               set on every byte but the last)
+    positions  for each tensor in table order, for each changed item in visiting order (below): the
+               gap between its rank in the visiting order and the previous changed item's (the first
+               counts from -1, so every gap is >= 1) as an unsigned LEB128 varint in its shortest form
+               (7 bits a byte, low bits first, high bit set on every byte but the last)
     values     itemsize byte planes: plane j (j = 0 .. 7) holds byte j (little-endian) of the value
                word of every change of every tensor whose itemsize > j, tensors in table order,
-               changes in index order; planes in ascending j
+               changes in visiting order; planes in ascending j
     nothing after the last plane.
+
+Visiting order of a tensor's items (flat, row-major): runs of `RUN_ITEMS` = 2^20 consecutive items
+(the last run may be shorter), in index order; within a run, items by ascending key and, for equal
+keys, ascending index. The key of an item is read from the BASE's bit pattern b (an unsigned
+itemsize-byte integer): (b >> (8*itemsize - 9)) & 0xFF, the 8 bits below the sign bit (bf16's and
+fp32's exponent); for itemsize 1 every key is 0 (plain index order). The decoder knows the base, so it
+rebuilds the order; grouping items by exponent groups them by their chance of changing (a step of
+about lr changes a bf16 value with a probability of roughly lr / ulp, and the ulp doubles with each
+exponent), which the gaps and the values' entropy coder then see.
 
 The value word of a change is zigzag(d), d = new_bits - base_bits modulo 2^(8*itemsize) read as a
 signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift),
@@ -30,9 +39,11 @@ itemsize for that name, and n_changed <= numel. The zstandard bytes are libzstd'
 implementation that writes the same content rebuilds the same tensors, and a version's hashes cover
 the resulting tensors, not the frame.
 
-Why this layout, measured with scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained
-by GRPOTrainer (fp32 master, AdamW, published in bf16; docs/benchmarks.md, "Delta versions"): see
-`ENCODING_NOTES` below for the table of alternatives.
+Why this layout: measured by scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained by
+GRPOTrainer (fp32 master, AdamW, bf16 publish; the tables are in docs/benchmarks.md, "Delta
+versions"). On one delta at lr 1e-6 (1.59 % of the values changed), bytes per changed value:
+
+    (MEASUREMENTS)
 
 Pure: no network, no disk, no per-item Python loops (numpy throughout). Every length is bounded by
 what the base tensors say: the frame must declare its content size, at most `max_delta_bytes(base)`,
@@ -54,7 +65,8 @@ __all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "encode_delta", "max_del
            "tensor_bits", "tensor_sha256"]
 
 DELTA_FORMAT = "e2s-delta/1"
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1
+RUN_ITEMS = 1 << 20  # items per run of the visiting order
 _MAGIC = b"E2SD"
 _VERSION = 1
 _HEADER = struct.Struct("<4sHI")
@@ -62,9 +74,7 @@ _ENTRY = struct.Struct("<BQQ")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MAX_VARINT = 9  # 63 bits: any gap within a tensor of fewer than 2^63 items
-
-ENCODING_NOTES = """(filled in from the measurements)"""
-
+_VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)  # len(v) = 1 + #limits <= v
 
 class DeltaError(ValueError):
     """A delta that must not be applied. `reason` is a short counter label."""
@@ -95,9 +105,7 @@ def encode_varints(values: np.ndarray) -> np.ndarray:
     values = np.asarray(values, dtype=np.uint64)
     if not values.size:
         return np.zeros(0, np.uint8)
-    lengths = np.ones(values.size, np.int64)
-    for k in range(1, _MAX_VARINT + 1):
-        lengths += values >= np.uint64(1 << (7 * k)) if 7 * k < 64 else 0
+    lengths = np.searchsorted(_VARINT_LIMITS, values, side="right").astype(np.int64) + 1
     ends = np.cumsum(lengths)
     starts = ends - lengths
     out = np.empty(int(ends[-1]), np.uint8)
@@ -150,6 +158,52 @@ def _check_pair(name: str, b: torch.Tensor, n: torch.Tensor) -> None:
         raise ValueError(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {n.dtype}{tuple(n.shape)}")
 
 
+def _visit_order(base_bits: np.ndarray, start: int, stop: int) -> np.ndarray | None:
+    """Offsets (from `start`) of the run's items in visiting order: by key, ties by index; None: index order."""
+    itemsize = base_bits.dtype.itemsize
+    if itemsize == 1:
+        return None
+    key = ((base_bits[start:stop] >> base_bits.dtype.type(8 * itemsize - 9)) & base_bits.dtype.type(0xFF))
+    return np.argsort(key.astype(np.uint8), kind="stable")
+
+
+def _changes(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks in visiting order, item indices) of the changed items, in visiting order."""
+    ranks, indices = [], []
+    for start in range(0, old_bits.size, RUN_ITEMS):
+        stop = min(start + RUN_ITEMS, old_bits.size)
+        changed = old_bits[start:stop] != new_bits[start:stop]
+        if not changed.any():
+            continue
+        order = _visit_order(old_bits, start, stop)
+        if order is None:
+            rank = np.flatnonzero(changed)
+            index = rank
+        else:
+            rank = np.flatnonzero(changed[order])
+            index = order[rank]
+        ranks.append(rank + start)
+        indices.append(index + start)
+    if not ranks:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(ranks), np.concatenate(indices)
+
+
+def _indices(base_bits: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Item indices of the changes at `ranks` (ascending, < numel) of the visiting order."""
+    if base_bits.dtype.itemsize == 1:
+        return ranks
+    out = np.empty(ranks.size, np.int64)
+    bounds = np.searchsorted(ranks, np.arange(0, base_bits.size + RUN_ITEMS, RUN_ITEMS))
+    for run, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if lo == hi:
+            continue
+        start = run * RUN_ITEMS
+        order = _visit_order(base_bits, start, min(start + RUN_ITEMS, base_bits.size))
+        out[lo:hi] = order[ranks[lo:hi] - start] + start
+    return out
+
+
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
                  level: int = ZSTD_LEVEL) -> bytes:
     """The delta that turns `base` into `new` (same tensor names, dtypes and shapes).
@@ -167,12 +221,12 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         if len(encoded) > 0xFFFF:
             raise ValueError(f"tensor name of {len(encoded)} bytes; at most 65535")
         old_bits, new_bits = tensor_bits(b), tensor_bits(n)
-        changed = np.flatnonzero(old_bits != new_bits)
+        ranks, index = _changes(old_bits, new_bits)
         size = n.element_size()
-        table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel(), changed.size)]
-        if changed.size:
-            gaps.append(np.diff(changed, prepend=-1).astype(np.uint64))
-            word = _zigzag(new_bits[changed] - old_bits[changed], size).astype(f"<u{size}")
+        table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel(), ranks.size)]
+        if ranks.size:
+            gaps.append(np.diff(ranks, prepend=-1).astype(np.uint64))
+            word = _zigzag(new_bits[index] - old_bits[index], size).astype(f"<u{size}")
             words.append(word.view(np.uint8).reshape(-1, size))
     planes = [w[:, j] for j in range(8) for w in words if w.shape[1] > j]
     positions = encode_varints(np.concatenate(gaps)) if gaps else np.zeros(0, np.uint8)
@@ -280,10 +334,10 @@ def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torc
             numel = t.numel()
             if tensor_gaps.min() == 0 or tensor_gaps.max() > numel:
                 raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-            index = np.cumsum(tensor_gaps) - np.uint64(1)
-            if index[-1] >= numel or (numel >= 1 << 32 and (np.diff(index).astype(np.int64) <= 0).any()):
+            ranks = np.cumsum(tensor_gaps) - np.uint64(1)
+            if ranks[-1] >= numel or (numel >= 1 << 32 and (np.diff(ranks).astype(np.int64) <= 0).any()):
                 raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-            index = index.astype(np.int64)
+            index = _indices(bits, ranks.astype(np.int64))
             word_bytes = np.stack([buf[offsets[name, j]:offsets[name, j] + n] for j in range(size)], axis=1)
             words = np.ascontiguousarray(word_bytes).view(f"<u{size}").reshape(-1).astype(bits.dtype)
             bits[index] += _unzigzag(words)

@@ -13,6 +13,7 @@ import zstandard
 
 from echo2swarm.policy.delta import (
     DELTA_FORMAT,
+    RUN_ITEMS,
     ZSTD_LEVEL,
     DeltaError,
     apply_delta,
@@ -140,6 +141,31 @@ def test_the_content_follows_the_documented_layout():
     assert params.content_size == len(expected) and not params.has_checksum
     assert blob == zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(expected)
     assert DELTA_FORMAT == "e2s-delta/1"
+
+
+def test_changes_are_visited_by_the_base_exponent_then_index():
+    # Keys (the 8 bits below the sign: bf16's exponent) of the base: 1.0 -> 127, 2^-10 -> 117.
+    base = {"w": torch.tensor([1.0, 2.0 ** -10, 1.0, 2.0 ** -10], dtype=torch.bfloat16)}
+    bits = tensor_bits(base["w"]).copy()
+    bits[0] += 1        # 1.0 up one ulp: zigzag(+1) = 2
+    bits[1] -= 1        # 2^-10 down one ulp: zigzag(-1) = 1
+    new = {"w": torch.from_numpy(bits.view(np.uint8)).view(torch.bfloat16)}
+    content = content_of(round_trip(base, new))
+    # Visiting order: items 1, 3 (key 117), then 0, 2 (key 127). Changed ranks 0 (item 1), 2 (item 0).
+    expected = (b"E2SD" + struct.pack("<HI", 1, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQQ", 2, 4, 2)
+                + bytes([1, 2]) + bytes([1, 2]) + bytes([0, 0]))
+    assert content == expected
+
+
+def test_runs_of_the_visiting_order_across_a_large_tensor():
+    g = torch.Generator().manual_seed(4)
+    base = {"big": (torch.randn(RUN_ITEMS * 2 + 999, generator=g) * 0.02).bfloat16(),
+            "bytes": torch.randint(0, 256, (RUN_ITEMS + 5,), generator=g, dtype=torch.uint8)}
+    new = {k: nudged(v, 0.01, seed=8) for k, v in base.items()}
+    new["big"][RUN_ITEMS - 1] = 5.0     # the last item of the first run, and the first of the next
+    new["big"][RUN_ITEMS] = -5.0
+    new["big"][-1] = 7.0
+    round_trip(base, new)
 
 
 def test_varints_vectorised_match_leb128():
