@@ -25,7 +25,8 @@ from echo2swarm.rollout.engines.base import ENGINE_KINDS
               help="Private key file for a persistent peer id; created if missing.")
 @click.option("--client-mode", is_flag=True, default=None, help="Accept no incoming DHT connections (behind NAT).")
 @click.option("--use-relay/--no-use-relay", default=None, help="Allow libp2p circuit relays (default on).")
-@click.option("--use-auto-relay", is_flag=True, default=None, help="Find relays and advertise through them (behind NAT).")
+@click.option("--use-auto-relay/--no-use-auto-relay", default=None,
+              help="Behind NAT, reserve a circuit relay slot and advertise through it (default on; public peers are unaffected).")
 @click.option("--price", type=float, help="Advertised price in USD per hour (>= 0).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, pinned trust, chunks, versions. Default: ~/.local/state/echo2swarm.")

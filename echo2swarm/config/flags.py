@@ -42,7 +42,7 @@ FLAGS: tuple[Flag, ...] = (
     _flag("identity", "--identity", "overlay.identity"),
     _flag("client_mode", "--client-mode", "overlay.client_mode"),
     _flag("use_relay", "--use-relay/--no-use-relay", "overlay.use_relay"),
-    _flag("use_auto_relay", "--use-auto-relay", "overlay.use_auto_relay"),
+    _flag("use_auto_relay", "--use-auto-relay/--no-use-auto-relay", "overlay.use_auto_relay"),
     _flag("record_ttl", "--record-ttl", "overlay.record_ttl_s"),
     _flag("announce_period", "--announce-period", "overlay.announce_period_s"),
     _flag("bootstrap_timeout", "--bootstrap-timeout", "overlay.bootstrap_timeout_s"),

@@ -51,7 +51,34 @@ class OverlayConfig(StrictModel):
         False, description="Do not accept incoming DHT connections (peers behind NAT or firewalls)."
     )
     use_relay: bool = Field(True, description="Allow connections through libp2p circuit relays.")
-    use_auto_relay: bool = Field(False, description="Find relays automatically and advertise through them (behind NAT).")
+    use_auto_relay: bool = Field(
+        True,
+        description="When libp2p's AutoNAT finds this peer unreachable (behind NAT), reserve a slot on a circuit "
+        "relay (the relays in `relays`, else the --initial-peers) and advertise the /p2p-circuit address. "
+        "Public peers are unaffected. False: never reserve.",
+    )
+    relays: list[str] = Field(
+        default_factory=list,
+        description="Public peers (/ip4/.../tcp/N/p2p/ID) to reserve circuit relay slots on when behind NAT. "
+        "Empty: the --initial-peers (bootstrap peers relay by default).",
+    )
+    relay_service: bool = Field(
+        True, description="Serve as a libp2p circuit relay (v2) for peers behind NAT once AutoNAT finds this peer public."
+    )
+    relay_max_circuits: int = Field(16, ge=1, le=4096, description="Relayed connections open at once per relayed peer.")
+    relay_max_reservations: int = Field(128, ge=1, le=65536, description="Peers that may hold a relay slot here at once.")
+    relay_data_limit: int = Field(
+        1 << 32, ge=1 << 20, le=1 << 40,
+        description="Bytes one relayed connection may carry in each direction before the relay resets it.",
+    )
+    relay_time_limit_s: float = Field(
+        1800.0, ge=10, le=86400, description="Seconds one relayed connection may last before the relay resets it."
+    )
+    reachability_period_s: float = Field(
+        60.0, ge=1, le=3600,
+        description="Seconds between reachability probes (a public peer dials our addresses and chunk URL back); "
+        "our addresses are re-read every announce period.",
+    )
     bootstrap_timeout_s: float = Field(
         15.0, gt=0, description="Seconds to reach at least one initial peer before giving up with exit code 2."
     )
@@ -74,7 +101,7 @@ class OverlayConfig(StrictModel):
             raise ValueError("swarm names are 1-64 chars of a-z, 0-9, '.', '_', '-' and start with a letter or digit")
         return v
 
-    @field_validator("initial_peers", mode="before")
+    @field_validator("initial_peers", "relays", mode="before")
     @classmethod
     def _split_peers(cls, v: object) -> object:
         # Accept "a b", "a,b" and ["a", "b"]: env vars and copy-pasted hivemind output use all three.
@@ -82,7 +109,7 @@ class OverlayConfig(StrictModel):
             return [p for p in re.split(r"[\s,]+", v) if p]
         return v
 
-    @field_validator("initial_peers")
+    @field_validator("initial_peers", "relays")
     @classmethod
     def _peer_maddrs(cls, v: list[str]) -> list[str]:
         for addr in v:

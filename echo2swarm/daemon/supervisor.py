@@ -33,6 +33,7 @@ from echo2swarm.daemon.context import BootstrapService, DaemonContext, RoleServi
 from echo2swarm.daemon.prometheus import daemon_registry, metrics_route
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
+from echo2swarm.overlay.reachability import DialbackService, ReachabilityTracker, serve_dialback
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
@@ -85,7 +86,11 @@ class Daemon:
         self.ctx: DaemonContext | None = None
         self.service: RoleService | None = None
         self.chunk_service: ChunkService | None = None
-        self.maddrs: list[str] = []
+        self.maddrs: list[str] = []  # p2pd's listen addresses at start (daemon.json); the card's come from `reach`
+        self.reach: ReachabilityTracker | None = None
+        self.dialback: DialbackService | None = None
+        self.p2p_served_to: Any = None  # policy.p2p.ServedTo once the libp2p chunk service runs
+
 
     # -- records -------------------------------------------------------------------------------
     def card(self, state: str | None = None) -> PeerCard:
@@ -99,8 +104,9 @@ class Daemon:
             version=fields.version,
             state=state or fields.state,
             software=__version__,
-            maddrs=self.maddrs[:8],
-            chunk_url=self.chunk_url,
+            maddrs=(self.reach.maddrs if self.reach is not None else self.maddrs)[:8],
+            chunk_url=self.reach.card_chunk_url(self.chunk_url) if self.reach is not None else self.chunk_url,
+            reachability=self.reach.state if self.reach is not None else None,
             upload_bps=self.config.upload_limit,
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
             fetching=fields.fetching,
@@ -131,8 +137,37 @@ class Daemon:
             "swarm": self.config.overlay.swarm,
             "uptime_s": round(time.time() - self.started_at, 1),
             **self.service.card_fields().as_json(),
+            "reachability": self.reachability_info(),
+            # chunk bytes served over libp2p (relayed peers' only transport), by client peer id
+            "p2p_served_to": dict(self.p2p_served_to.bytes) if self.p2p_served_to is not None else {},
             "stats": stats,
         }
+
+    def reachability_info(self) -> dict[str, Any] | None:
+        reach = self.reach
+        if reach is None:
+            return None
+        return {
+            "state": reach.state, "maddrs": reach.maddrs, "listen": reach.listen, "observed": reach.observed,
+            "chunk_url_reachable": reach.chunk_ok, "responder": reach.responder,
+            "clock_skew_s": None if reach.skew_s is None else round(reach.skew_s, 3), "error": reach.last_error,
+            "dialback": dict(self.dialback.stats) if self.dialback is not None else {},
+        }
+
+    async def _watch_reachability(self) -> None:
+        """Re-read our addresses every announce period; probe as ReachabilityTracker decides."""
+        assert self.reach is not None and self.ctx is not None
+        period = self.config.overlay.announce_period_s
+        while not self.stop_event.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), period)
+            if self.stop_event.is_set():
+                return
+            try:
+                if await self.reach.update(self.chunk_url):
+                    self.ctx.overlay.advertise(self.reach.card_chunk_url(self.chunk_url), self.reach.maddrs)
+            except Exception:
+                logger.exception("reachability check failed; keeping the last result")
 
     def _head_bytes(self) -> bytes | None:
         head = self.service.head() if self.service is not None else None
@@ -147,6 +182,8 @@ class Daemon:
             "role": self.config.role,
             "swarm": self.config.overlay.swarm,
             "maddrs": self.maddrs,
+            "card_maddrs": self.reach.maddrs if self.reach is not None else self.maddrs,
+            "reachability": self.reach.state if self.reach is not None else None,
             "chunk_url": self.chunk_url,
             "http_url": self.http_url,
             "pid": os.getpid(),
@@ -201,7 +238,7 @@ class Daemon:
             if config.role != "bootstrap":
                 from echo2swarm.policy.p2p import serve_p2p
 
-                await serve_p2p(overlay, self.chunk_service)  # the fallback transport, always on
+                self.p2p_served_to = await serve_p2p(overlay, self.chunk_service)  # the fallback transport, always on
             # Every daemon runs one HTTP server (/metrics, /v1/info, the role's pages); it serves the
             # swarm chunks only where there are chunks to serve and the chunk server is on.
             serves_chunks = config.role != "bootstrap" and config.chunk_server.enabled
@@ -217,9 +254,17 @@ class Daemon:
                 host = _pick_host(self.maddrs)
             self.http_url = config.chunk_server.public_url or f"http://{host}:{port}"
             self.chunk_url = self.http_url if serves_chunks else None
-            overlay.advertise(self.chunk_url, self.maddrs)  # the learner's signed heads carry it
+            self.dialback = await serve_dialback(overlay)
+            self.reach = ReachabilityTracker(overlay, config.overlay)
+            try:  # a public peer dials us back (bounded: an unanswered probe leaves the state `unknown`)
+                await asyncio.wait_for(self.reach.update(self.chunk_url, force=True), 20.0)
+            except asyncio.TimeoutError:
+                logger.warning("reachability probe at start took over 20 s; advertising what p2pd reports")
+                self.reach.assume(self.maddrs)
+            overlay.advertise(self.reach.card_chunk_url(self.chunk_url), self.reach.maddrs)  # signed heads carry it
             # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
-            tasks = [asyncio.create_task(announcer.run(self.stop_event))]
+            tasks = [asyncio.create_task(announcer.run(self.stop_event)),
+                     asyncio.create_task(self._watch_reachability())]
             await service.start()
             tasks.append(asyncio.create_task(self._supervise(service)))
             self._write_ready_file()

@@ -69,7 +69,8 @@ class BroadcastTracker:
 
     def plan(self, version: int) -> bytes:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""
-        receivers = self.receivers()
+        undialable = {c.peer_id for c in self.cards if c.reachability == "private"}  # NAT'd, no relay slot yet
+        receivers = [r for r in self.receivers() if r[0] not in undialable]
         plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds)
         data = plan.to_bytes()
         self.plans[version] = data

@@ -91,6 +91,37 @@ def _children_die_with_us() -> Iterator[None]:
         asyncio.subprocess.create_subprocess_exec = original
 
 
+def p2pd_flags(config: OverlayConfig, auto_relay: bool) -> list[str]:
+    """p2pd flags hivemind's `P2P.create` has no parameter for.
+
+    Relay slots: with automatic relay discovery (p2pd's default) go-libp2p's autorelay waits for 4
+    candidate relays or 3 minutes before it reserves a slot, so a peer behind NAT in a small swarm
+    had no /p2p-circuit address for minutes; with static relays (`-relayDiscovery=0` and
+    `-trustedRelays`) it reserves as soon as AutoNAT finds it private (~15 s after start).
+    Relay service: the limits from the config (p2pd starts it once AutoNAT finds this peer public).
+    """
+    flags = [f"-relayService={int(config.use_relay and config.relay_service)}"]
+    if config.use_relay and config.relay_service:
+        flags += [
+            f"-relayMaxCircuits={config.relay_max_circuits}",
+            f"-relayMaxReservations={config.relay_max_reservations}",
+            f"-relayDataLimit={config.relay_data_limit}",
+            f"-relayTimeLimit={int(config.relay_time_limit_s)}s",
+        ]
+    if auto_relay:
+        flags.append("-relayDiscovery=0")
+    return flags
+
+
+def _p2p_class(flags: list[str]) -> type[P2P]:
+    """hivemind's P2P, its p2pd started with `flags` added."""
+
+    def make_args(*args: Any, **kwargs: Any) -> list[str]:
+        return P2P._make_process_args(*args, **kwargs) + flags
+
+    return type("SwarmP2P", (P2P,), {"_make_process_args": staticmethod(make_args)})
+
+
 def dht_time() -> float:
     return time.time()
 
@@ -144,6 +175,8 @@ class Overlay:
         self._worked: OrderedDict[str, float] = OrderedDict()
         self._recent: OrderedDict[str, float] = OrderedDict()
         self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
+        self._maddrs: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer id -> its newest card's maddrs
+        self._reach: OrderedDict[str, str | None] = OrderedDict()  # peer id -> its newest card's reachability
         self._flood_logged = float("-inf")
         rpc.observe_callers(p2p, self.saw_work)
 
@@ -165,6 +198,8 @@ class Overlay:
                 raise BootstrapError(f"malformed multiaddr {addr!r}: {e}") from None
         key, identity_path, temporary = _identity(config, key_dir)
 
+        relays = config.relays or config.initial_peers
+        auto_relay = config.use_relay and config.use_auto_relay and bool(relays) and not client
         p2p_kwargs: dict[str, Any] = dict(
             initial_peers=config.initial_peers or None,
             host_maddrs=[] if client else config.host_maddrs,
@@ -174,17 +209,20 @@ class Overlay:
             check_if_identity_free=not (temporary or key.is_ed25519),
             dht_mode="client" if client else "server",
             use_relay=config.use_relay,
-            use_auto_relay=config.use_auto_relay,
+            use_auto_relay=auto_relay,
+            trusted_relays=relays if auto_relay else None,
+            auto_nat=True,  # also turns on hole punching (DCUtR) in hivemind's p2pd
             startup_timeout=config.p2p_startup_timeout_s,
             no_listen=client,
         )
+        p2p_class = _p2p_class(p2pd_flags(config, auto_relay))
         validator = SwarmRecordValidator(config.swarm)
         p2p: P2P | None = None
         try:
             try:
                 with _children_die_with_us():
                     p2p = await asyncio.wait_for(
-                        P2P.create(**p2p_kwargs), config.p2p_startup_timeout_s + config.bootstrap_timeout_s
+                        p2p_class.create(**p2p_kwargs), config.p2p_startup_timeout_s + config.bootstrap_timeout_s
                     )
             finally:
                 if temporary:
@@ -237,6 +275,23 @@ class Overlay:
         horizon = time.monotonic() - 3 * self.config.record_ttl_s
         while seen and (len(seen) > 4 * self.config.max_cards or next(iter(seen.values())) < horizon):
             seen.popitem(last=False)
+
+    async def listen_maddrs(self) -> list[str]:
+        """p2pd's current addresses, asked afresh (a relay slot adds a /p2p-circuit one after start)."""
+        try:
+            _, addrs = await asyncio.wait_for(self.p2p._client.identify(), self.config.dht_timeout_s)
+            return [str(m) for m in addrs]
+        except Exception as e:  # p2pd busy or gone: keep what we had
+            logger.debug("identify: %s", e)
+            return await self.visible_maddrs()
+
+    def known_maddrs(self, peer_id: str) -> list[str]:
+        """The multiaddrs of `peer_id`'s newest card we read (a relay address may have appeared since)."""
+        return list(self._maddrs.get(peer_id, ()))
+
+    def public_peers(self) -> list[str]:
+        """Peers whose newest card we read says they are publicly reachable (dial-back probe targets)."""
+        return [p for p, state in self._reach.items() if state == "public"]
 
     async def visible_maddrs(self) -> list[str]:
         try:
@@ -318,6 +373,13 @@ class Overlay:
                                len(entries), len(cards), dropped)
         for card in cards:
             self._touch(self._recent, card.peer_id)
+            self._maddrs[card.peer_id] = tuple(card.maddrs)
+            self._maddrs.move_to_end(card.peer_id)
+            self._reach[card.peer_id] = card.reachability
+            self._reach.move_to_end(card.peer_id)
+        for memory in (self._maddrs, self._reach):
+            while len(memory) > 4 * self.config.max_cards:
+                memory.popitem(last=False)
         return cards, bad
 
     async def get_heads(self) -> tuple[list[HeadRecord], int]:

@@ -22,8 +22,7 @@ from typing import Any
 
 import msgpack
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr
-
+from echo2swarm.overlay.addresses import dial_addrs
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -108,10 +107,8 @@ async def open_frames(
     writer: asyncio.StreamWriter | None = None
     try:
         try:
-            if maddrs:
-                # p2pd's connect takes transport addresses: a card's "/ip4/…/tcp/N/p2p/<id>" makes it fail
-                # outright, so the peer id suffix is cut off first.
-                transport = [Multiaddr(m.split("/p2p/", 1)[0]) for m in maddrs if m.split("/p2p/", 1)[0]]
+            transport = dial_addrs(maddrs)  # direct ones without /p2p/<id>; circuit ones whole, encoded for Go
+            if transport:
                 with contextlib.suppress(Exception):  # already connected, or reachable through the DHT
                     await asyncio.wait_for(p2p._client.connect(peer, transport), timeout)
             _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(peer, name), timeout)

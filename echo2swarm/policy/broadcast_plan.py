@@ -19,7 +19,7 @@ parent is slow, gone or lying, and peers that joined after publication use holde
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -65,12 +65,21 @@ class BroadcastPlan(BaseModel):
         return self.model_dump_json().encode()
 
 
-def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int) -> list[list[str]]:
+def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
+                undialable: Collection[str] = ()) -> list[list[str]]:
     """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most.
+
+    Every peer of a chain but the last is its successor's parent, and a parent must be dialable: a
+    peer in `undialable` (behind NAT without a relay slot yet: its card says `private`) is
+    therefore left out of the plan; it fetches from holders and the learner, as late joiners do.
+    Relayed peers stay in: the chain's next peer dials them through their relay.
 
     >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2)
     [['c', 'b', 'a'], ['b', 'c', 'a']]
+    >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2, undialable={"c"})
+    [['b', 'a']]
     """
+    receivers = [r for r in receivers if r[0] not in undialable]
     # None is an uncapped uplink (the card's meaning): those peers go first, then capped ones, fastest first.
     uncapped = sorted((r for r in receivers if r[1] is None), key=lambda r: r[0])
     capped = sorted((r for r in receivers if r[1] is not None), key=lambda r: (-(r[1] or 0), r[0]))
@@ -84,10 +93,10 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int) -> list
 
 def make_plan(
     key: PolicyKey, swarm: str, version: int, publisher: str,
-    receivers: Sequence[tuple[str, int | None]], seeds: int,
+    receivers: Sequence[tuple[str, int | None]], seeds: int, undialable: Collection[str] = (),
 ) -> BroadcastPlan:
     plan = BroadcastPlan(
-        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds),
+        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds, undialable),
         public_key=key.public.text,
     )
     return plan.model_copy(update={"signature": key.sign(DOMAIN_PLAN, plan._payload()).hex()})

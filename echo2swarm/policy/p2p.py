@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import OrderedDict
 
 from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
@@ -30,7 +31,23 @@ def _version(request: dict[str, object]) -> int:
     return version
 
 
-def p2p_handler(service: ChunkService) -> Handler:
+MAX_CLIENTS_TRACKED = 64
+
+
+class ServedTo:
+    """Chunk bytes served over libp2p per client peer (the newest MAX_CLIENTS_TRACKED), for /v1/info."""
+
+    def __init__(self) -> None:
+        self.bytes: OrderedDict[str, int] = OrderedDict()
+
+    def add(self, peer: str, size: int) -> None:
+        self.bytes[peer] = self.bytes.get(peer, 0) + size
+        self.bytes.move_to_end(peer)
+        while len(self.bytes) > MAX_CLIENTS_TRACKED:
+            self.bytes.popitem(last=False)
+
+
+def p2p_handler(service: ChunkService, served_to: ServedTo | None = None) -> Handler:
     """The libp2p front end of `service`: one request per stream, answered with a header frame (and body).
 
     Clients are told apart by the peer id libp2p authenticated (`peer:<id>`). A request holds one
@@ -66,9 +83,12 @@ def p2p_handler(service: ChunkService) -> Handler:
                 return
             with f:
                 with service.upload_slot(client):
-                    await out.header(200, f.seek(0, 2))
+                    size = f.seek(0, 2)
+                    await out.header(200, size)
                     f.seek(0)
                     await service.upload(f, out.write)
+                    if served_to is not None:
+                        served_to.add(client.removeprefix("peer:"), size)
         else:
             raise StreamError(f"unknown op {str(op)[:20]!r}")
 
@@ -84,9 +104,11 @@ def p2p_handler(service: ChunkService) -> Handler:
     return handle
 
 
-async def serve_p2p(overlay: Overlay, service: ChunkService) -> None:
-    await serve_frames(overlay.p2p, stream_name(overlay.config.swarm, "chunks"), p2p_handler(service),
+async def serve_p2p(overlay: Overlay, service: ChunkService) -> ServedTo:
+    served_to = ServedTo()
+    await serve_frames(overlay.p2p, stream_name(overlay.config.swarm, "chunks"), p2p_handler(service, served_to),
                        service.config.request_timeout_s)
+    return served_to
 
 
 class P2PSource:
@@ -103,7 +125,9 @@ class P2PSource:
     async def _get(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
         connect_timeout = min(timeout, self.overlay.config.dht_timeout_s + wait)
         try:
-            async with open_frames(self.overlay.p2p, self.peer_id, self.maddrs, self._protocol, request,
+            # The newest card's addresses: a peer behind NAT gains its /p2p-circuit address after it joined.
+            maddrs = self.overlay.known_maddrs(self.peer_id) or self.maddrs
+            async with open_frames(self.overlay.p2p, self.peer_id, maddrs, self._protocol, request,
                                    connect_timeout) as (head, body):
                 status, size = head["status"], head["size"]
                 if status in (429, 503):  # refused for now: this peer's share, or the server, is full

@@ -86,8 +86,11 @@ class DaemonProcess:
     >>> d.terminate()
     """
 
-    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None,
+                 wrap: list[str] | None = None):
+        """`wrap`: a prefix that execs the command elsewhere (`ip netns exec NS`), so the pid stays the daemon's."""
         self.name = name
+        self.wrap = list(wrap or [])
         self.state_dir = Path(state_dir)
         self.args = ["--state-dir", str(self.state_dir), *args]
         self.log_path = self.state_dir / "daemon.log"
@@ -106,7 +109,7 @@ class DaemonProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "echo2swarm.cli.main", "daemon", *self.args],
+                [*self.wrap, sys.executable, "-m", "echo2swarm.cli.main", "daemon", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             )
         return self

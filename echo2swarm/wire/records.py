@@ -20,6 +20,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
+from echo2swarm.wire.reach import Reachability
 from echo2swarm.wire.signing import DOMAIN_CARD, DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes, float_text
 
 MAX_RECORD_BYTES = 16 * 1024
@@ -86,6 +87,9 @@ class PeerCard(BaseModel):
     software: str = Field(max_length=32)
     maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
     chunk_url: str | None = Field(None, max_length=256)
+    reachability: Reachability | None = Field(
+        None, description="how others reach this peer (overlay/reachability.py); None: not measured (older peers)"
+    )
     upload_bps: int | None = Field(None, ge=0, le=10**12, description="upload cap in bytes/s; None: unlimited")
     held: list[Annotated[int, Field(ge=1, le=MAX_VERSION)]] = Field(
         default_factory=list, max_length=32, description="complete versions this peer serves"

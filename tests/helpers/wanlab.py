@@ -9,10 +9,13 @@
 
 Layout (every name starts with the lab's random prefix, e.g. ``e2s7f3a``; nothing else is touched):
 
-    {p}-net    the "internet": a bridge; every public host and home router hangs off it (198.18.0.0/24,
-               the benchmarking range, so nothing here collides with real addresses)
-    {p}-<host> a public host: eth0 198.18.0.N on the bridge
-    {p}-r<i>   home i's router: wan0 198.18.0.N on the bridge, lan0 192.168.i.1; MASQUERADE out of
+    {p}-net    the "internet": a bridge; every public host and home router hangs off it (11.0.0.0/24: a
+               globally routable range, because libp2p treats the benchmarking and documentation
+               ranges as unroutable and then neither AutoNAT, circuit relays nor our own address
+               filter behave as on the internet; the namespaces have no route out, so nothing real
+               is reached)
+    {p}-<host> a public host: eth0 11.0.0.N on the bridge
+    {p}-r<i>   home i's router: wan0 11.0.0.N on the bridge, lan0 192.168.i.1; MASQUERADE out of
                wan0, stateful firewall (from the internet only replies to connections a home opened)
     {p}-<host> a host in home i: eth0 192.168.i.M, default route via the router
 
@@ -38,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-PUBLIC_NET = "198.18.0"
+PUBLIC_NET = "11.0.0"  # see the module docstring: must count as public to libp2p (go-multiaddr manet)
 TBF_BURST = "32kb"
 TBF_LATENCY = "50ms"
 

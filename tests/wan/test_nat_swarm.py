@@ -1,0 +1,88 @@
+"""A swarm over the WAN lab: public bootstrap, learner and relay; one rollout peer in each of two homes
+behind NAT, started with no NAT flags. The peers find out they are behind NAT, take relay slots,
+advertise /p2p-circuit addresses only, and serve each other chunks through the relay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from echo2swarm.runtime.processes import wait_until
+from echo2swarm.wire.signing import PolicyKey
+from helpers.swarm import read_metrics
+from tests.helpers.wanlab import WanLab
+from tests.helpers.wanswarm import WanSwarm
+
+STEPS = 24
+HOME_UP_MBIT = 20
+
+
+def _learner_toml(path: Path, model: Path, key: Path) -> Path:
+    # Every version dense (keyframe_every = 1) in 64 KiB chunks: ~19 chunks a version for the plan's chains.
+    path.write_text("\n".join([
+        'role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "keyframe_every = 1",
+        'chunk_size = "64KiB"', "[train]", 'task = "arith"', f"steps = {STEPS}", "staleness = 1",
+        "prompts_per_step = 8", "group_size = 4", "max_new_tokens = 4", "checkpoint_every = 100", "threads = 1",
+        "[leases]", "max_prompts = 4", "timeout_s = 5.0",
+    ]) + "\n")
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_peers_behind_two_nats_serve_each_other_through_a_relay(
+    lab: WanLab, tmp_path: Path, tiny_model_dir: Path, policy_key: Path
+) -> None:
+    swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
+    try:
+        boot = swarm.bootstrap(lab.public_host("boot", up_mbit=100, down_mbit=100))
+        trust = PolicyKey.load(policy_key).public.text
+        relay = swarm.start(lab.public_host("relay", up_mbit=100, down_mbit=100), "relay", "--role", "relay",
+                            "--trust", trust)
+        relay.wait_ready(90)
+        swarm.initial_peers.append(swarm.public_addr(relay))
+        homes = {name: lab.home(name, up_mbit=HOME_UP_MBIT, down_mbit=100)[0] for name in ("a", "b")}
+        peers = {name: swarm.start(host, f"rollout-{name}", "--role", "rollout", "--trust", trust)  # no NAT flags
+                 for name, host in homes.items()}
+        for d in peers.values():
+            d.wait_ready(120)
+
+        def relayed() -> bool:
+            return all(swarm.info(d)["reachability"]["state"] == "relayed" for d in peers.values())
+
+        wait_until(relayed, 60, interval=1.0, what="both homes to hold a relay slot")
+        learner = swarm.start(lab.public_host("lrn", up_mbit=100, down_mbit=100), "learner", "--config",
+                              str(_learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key)))
+        learner.wait_ready(120)
+        up_before = {name: lab.uplink_bytes(name) for name in homes}
+        assert learner.proc is not None
+        learner.proc.wait(240)  # the learner exits by itself after its last step
+        assert learner.proc.returncode == 0, learner.log_tail()
+
+        records = read_metrics(learner.state_dir / "run" / "metrics.jsonl")
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        delivered = records[-1]["delivered"]
+        ids = {name: d.info["peer_id"] for name, d in peers.items()}
+        shares = {name: delivered.get(pid, 0) / max(1, sum(delivered.values())) for name, pid in ids.items()}
+        last = records[-1]["published_version"]
+        # The last version is published as the learner exits: a home that missed its head gets it no more.
+        wait_until(lambda: all(swarm.info(d)["version"] >= last - 1 for d in peers.values()), 30, interval=1.0,
+                   what=f"both homes to hold v{last - 1} or v{last}")
+        infos = {name: swarm.info(d) for name, d in peers.items()}
+        served = {name: infos[name]["p2p_served_to"] for name in peers}
+        across = {name: served[name].get(ids["b" if name == "a" else "a"], 0) for name in peers}
+        up = {name: lab.uplink_bytes(name) - up_before[name] for name in homes}
+        print(json.dumps({"last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
+                          "delivered": delivered, "served_across": across, "served_to": served, "uplink_bytes": up,
+                          "reachability": {n: i["reachability"] for n, i in infos.items()}}, indent=1))
+        for name, info in infos.items():
+            reach = info["reachability"]
+            assert reach["state"] == "relayed", reach
+            assert reach["maddrs"] and all("/p2p-circuit" in m for m in reach["maddrs"]), reach
+            assert reach["chunk_url_reachable"] is False, "the home's chunk server must not be reachable from outside"
+            assert shares[name] >= 0.25, f"{name} delivered {shares[name]:.0%} of the groups"
+        assert sum(across.values()) > 0, f"no chunk went between the two homes: {served}"
+        assert sum(up.values()) >= sum(across.values()), "bytes served across homes left through their uplinks"
+    finally:
+        swarm.close()
