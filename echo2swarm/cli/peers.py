@@ -22,6 +22,7 @@ def peers_table(view: dict[str, Any]) -> Any:
                   title_justify="left")
     for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("rollouts/s", "right"),
                             ("version", "right"), ("state", "left"), ("activation", "left"), ("arrival", "right"),
+                            ("fetch", "left"),
                             ("upload cap", "right"), ("last seen", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for p in view["peers"]:
@@ -30,9 +31,18 @@ def peers_table(view: dict[str, Any]) -> Any:
             "-" if p.get("rollouts_per_s") is None else f"{p['rollouts_per_s']:.1f}",
             "-" if p["version"] is None else str(p["version"]), _state(p), p.get("activation") or "-",
             "-" if p.get("arrival_s") is None else f"{p['arrival_s']:.2f}s",
+            "-" if p.get("fetch_path") is None else f"{p['fetch_path']} {format_bytes(p.get('fetch_bytes') or 0)}",
             "-" if p.get("upload_bps") is None else f"{format_bytes(p['upload_bps'])}/s",
             f"{p['last_seen']:.0f}s ago",
         )
+    notes = [n for p in view["peers"] for n in p.get("versions") or []]
+    if notes:  # the learner's newest versions: keyframes and deltas, with what a delta saves
+        table.caption = "versions: " + "; ".join(
+            f"v{n['version']} {n['kind']} {format_bytes(n['dense_bytes'])}"
+            + (f", delta {format_bytes(n['delta_bytes'])} ({n['dense_bytes'] / max(1, n['delta_bytes']):.0f}x)"
+               if n.get("delta_bytes") is not None else "")
+            for n in notes[-4:])
+        table.caption_justify = "left"
     return table
 
 
@@ -52,7 +62,8 @@ def _state(peer: dict[str, Any]) -> str:
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
 def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
-    """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, upload cap, last seen.
+    """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, fetch path, upload cap,
+    last seen; under the table, the learner's newest versions (dense or delta, and their bytes).
 
     \b
     echo2swarm peers --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3...

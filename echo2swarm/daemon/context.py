@@ -52,9 +52,14 @@ class CardFields:
     rollouts_per_s: float | None = None  # rollout: measured µ
     active: bool | None = None       # rollout: False while the learner keeps it on standby
     bans: Mapping[str, str] = field(default_factory=dict)  # learner: peer id -> why it was banned (newest last)
+    # followers: version -> (fetch path, bytes fetched) of recent versions (delta versions, policy/catchup.py)
+    fetch_paths: Mapping[int, tuple[str, int]] = field(default_factory=dict)
+    # learner: its newest versions as {version, kind, dense_bytes, delta_bytes} (the card's `versions`)
+    published: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "arrival_s"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("arrival_s", "fetch_paths")}
+        out["fetch_paths"] = {str(v): list(p) for v, p in self.fetch_paths.items()}
         out["arrival_s"] = {str(v): round(s, 3) for v, s in self.arrival_s.items()}
         return out
 

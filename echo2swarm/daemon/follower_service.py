@@ -102,6 +102,7 @@ class FollowerService:
             version=self.follower.held_version, state=self.follower.state, fetching=self.follower.fetching_version,
             arrival_s=dict(self.follower.arrival_s), rollouts_per_s=None if mu is None else round(mu, 3),
             active=self.worker.active if self.worker is not None else None,
+            fetch_paths={v: (str(p["path"]), int(p["bytes"])) for v, p in self.follower.path_of.items()},  # type: ignore[call-overload]
         )
 
     def stats(self) -> Stats:
@@ -124,6 +125,7 @@ class FollowerService:
             # and per recent version its path, the bytes fetched for it and the hops taken
             "fetch_paths": dict(self.follower.paths),
             "fetch_path_of": {str(v): p for v, p in self.follower.path_of.items()},
+            "fetch_bytes_last": self.follower.path_of[max(self.follower.path_of)]["bytes"] if self.follower.path_of else None,
             "arrival_s": {str(k): round(v, 3) for k, v in self.follower.arrival_s.items()},
             "trusted_key": self.trust.key.text if self.trust.key else None,
         }

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class LearnerService:
         self.keyframe: DeltaBase | None = None
         self.chain_bytes = 0
         self.history: deque[PublishedVersion] = deque(maxlen=16)
+        self.published_kinds: Counter[str] = Counter()  # versions published, by kind (dense / delta)
         # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
         self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
 
@@ -146,6 +147,7 @@ class LearnerService:
         )
         self.published = published
         self.history.append(published)
+        self.published_kinds[published.kind] += 1
         self.previous = DeltaBase(published.version, published.manifest_sha256, state)
         if published.kind == "dense":
             self.keyframe, self.chain_bytes = self.previous, 0
@@ -357,7 +359,9 @@ class LearnerService:
         t_bcast = self.broadcast.t_bcast_s
         bans = {peer: ban.reason for peer, ban in self.intake.ledger.bans.items()} if self.intake else {}
         return CardFields(version=self.published.version if self.published else None, state=self.state,
-                          t_bcast_s=None if t_bcast is None else round(t_bcast, 3), bans=bans)
+                          t_bcast_s=None if t_bcast is None else round(t_bcast, 3), bans=bans,
+                          published=[{"version": p.version, "kind": p.kind, "dense_bytes": p.dense_bytes,
+                                     "delta_bytes": p.delta_bytes} for p in list(self.history)[-8:]])
 
     def stats(self) -> Stats:
         out: dict[str, Any] = {"published_version": self.published.version if self.published else None,
@@ -373,6 +377,11 @@ class LearnerService:
         out["rollbacks"] = self.rollbacks
         # per version: dense or delta, dense bytes, delta bytes, ratio (dense / delta), composite bytes
         out["versions"] = {str(p.version): p.report() for p in self.history}
+        if self.published is not None:  # the newest version's figures (gauges in /metrics)
+            last = self.published.report()
+            out["publish"] = {"dense_bytes": last["dense_bytes"], "delta_bytes": last["delta_bytes"],
+                              "composite_bytes": last["composite_bytes"], "delta_ratio": last["ratio"],
+                              "kinds": dict(self.published_kinds)}
         return out
 
 

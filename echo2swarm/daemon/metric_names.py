@@ -205,6 +205,18 @@ CAPACITY = Section(
     # per peer or text (the plan's figures come from DaemonCollector), and t_bcast: learner_broadcast_seconds
     ignore=frozenset({"enabled", "delivered_mu", "active", "plan", "log", "t_bcast"}),
 )
+PUBLISH = Section(  # stats.publish: the newest version the learner published
+    keys={
+        "dense_bytes": _one(gauge("learner_version_dense_bytes", "Bytes of the newest version's dense weights.")),
+        "delta_bytes": _one(gauge("learner_version_delta_bytes", "Bytes of the newest version's delta from the "
+                                  "version before it (absent for the first).")),
+        "composite_bytes": _one(gauge("learner_version_composite_bytes", "Bytes of the newest version's composite "
+                                      "delta from its keyframe (absent when none was offered).")),
+        "delta_ratio": _one(gauge("learner_version_delta_ratio", "Dense bytes over delta bytes of the newest version.")),
+    },
+    dicts={"kinds": counter("learner_versions_published_total", "Versions published, by kind: dense (keyframes) "
+                            "or delta.", "kind")},
+)
 LEARNER = Section(
     keys={
         "steps_done": _one(counter("learner_steps_total", "Training steps done.")),
@@ -218,8 +230,9 @@ LEARNER = Section(
         "dropped": counter("learner_groups_dropped_total", "Accepted groups dropped unused: stale (past S), "
                            "overflow, banned.", "reason"),
     },
-    sections={"leases": LEASES, "peers": LEDGER, "capacity": CAPACITY},
-    ignore=frozenset({"published_version", "t_bcast", "t_bcast_unreported"}),
+    sections={"leases": LEASES, "peers": LEDGER, "capacity": CAPACITY, "publish": PUBLISH},
+    # versions: per version (/v1/info and `peers`); the newest one's figures are under publish
+    ignore=frozenset({"published_version", "t_bcast", "t_bcast_unreported", "versions"}),
 )
 
 # -- rollout and relay peers --------------------------------------------------------------------
@@ -231,12 +244,17 @@ FOLLOWER = Section(
         "refit_s": _one(gauge("rollout_refit_seconds", "Seconds the last load of a version into the engine took.")),
         "swap_s": _one(gauge("rollout_swap_seconds", "Seconds the last swap of a version into the engine took.")),
         "fetching_version": _one(gauge("policy_fetching_version", "The version being fetched (absent when none).")),
+        "fetch_bytes_last": _one(gauge("policy_fetch_bytes_last", "Bytes fetched to install the newest version "
+                                       "(every hop of its path).")),
     },
-    dicts={"refused_heads": counter("policy_heads_refused_total", "Policy heads refused, by reason.", "reason"),
+    dicts={"refused_heads": counter("policy_heads_refused_total", "Policy heads refused, by reason (delta_*: a "
+                                    "rebuilt version did not match its signed tensor hashes).", "reason"),
+           "fetch_paths": counter("policy_fetch_paths_total", "Versions installed, by path: delta (one delta from "
+                                  "the version held), chain (several), composite, keyframe (dense).", "path"),
            "engine_busy_s": counter("rollout_engine_busy_seconds_total", "The engine's own compute seconds, by work: "
                                     "generate, load (new weights).", "work")},
     sections={"worker": WORKER, "fetch": FETCH},
-    ignore=frozenset({"engine", "engine_pid", "fetched_from", "arrival_s", "trusted_key"}),
+    ignore=frozenset({"engine", "engine_pid", "fetched_from", "arrival_s", "trusted_key", "fetch_path_of"}),
 )
 
 # Under "stats" in /v1/info, whatever the role: the role's own keys, the chunk server's, the DHT's.

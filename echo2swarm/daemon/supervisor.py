@@ -40,7 +40,7 @@ from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.aio import backoff_s
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard
+from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard, VersionNote
 
 logger = get_logger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
@@ -110,7 +110,9 @@ class Daemon:
             upload_bps=self.config.upload_limit,
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
             fetching=fields.fetching,
-            arrivals=[Arrival(version=v, seconds=round(t, 3)) for v, t in arrivals],
+            arrivals=[Arrival(version=v, seconds=round(t, 3), path=fields.fetch_paths.get(v, (None, None))[0],
+                              fetched_bytes=fields.fetch_paths.get(v, (None, None))[1]) for v, t in arrivals],
+            versions=[VersionNote(**note) for note in fields.published[-8:]],
             t_bcast_s=fields.t_bcast_s,
             rollouts_per_s=fields.rollouts_per_s,
             active=fields.active,

@@ -34,6 +34,11 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "fetching": c.fetching,
             # how long the newest version this peer installed took to arrive (head seen -> installed)
             "arrival_s": max(c.arrivals, key=lambda a: a.version).seconds if c.arrivals else None,
+            # delta versions: how the newest version got here (delta / chain / composite / keyframe) and its bytes
+            "fetch_path": max(c.arrivals, key=lambda a: a.version).path if c.arrivals else None,
+            "fetch_bytes": max(c.arrivals, key=lambda a: a.version).fetched_bytes if c.arrivals else None,
+            # learner: its newest versions, dense or delta, with dense and delta bytes
+            "versions": [n.model_dump() for n in c.versions],
             "t_bcast_s": c.t_bcast_s,
             "last_seen": round(max(0.0, now_ms - c.updated_ms) / 1000, 1),
             "software": c.software,

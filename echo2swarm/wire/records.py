@@ -62,6 +62,18 @@ class Arrival(BaseModel):
 
     version: int = Field(ge=1, le=MAX_VERSION)
     seconds: float = Field(ge=0, le=1e6, allow_inf_nan=False)
+    # delta versions (policy/catchup.py): the path that installed it and the bytes fetched for it
+    path: Literal["delta", "chain", "composite", "keyframe"] | None = None
+    fetched_bytes: int | None = Field(None, ge=0, le=10**15)
+
+
+class VersionNote(_Strict):
+    """A version the learner published: dense (a keyframe) or a delta, and its sizes (`echo2swarm peers`)."""
+
+    version: int = Field(ge=1, le=MAX_VERSION)
+    kind: Literal["dense", "delta"]
+    dense_bytes: int = Field(ge=0, le=10**15)
+    delta_bytes: int | None = Field(None, ge=0, le=10**15, description="the delta from the version before it")
 
 
 class BanNote(_Strict):
@@ -103,6 +115,9 @@ class PeerCard(BaseModel):
         None, ge=0, le=1e7, allow_inf_nan=False, description="rollout: measured rollouts/s; None: not measured yet"
     )
     active: bool | None = Field(None, description="rollout: False while the learner keeps it on standby; None: not told")
+    versions: list[VersionNote] = Field(
+        default_factory=list, max_length=8, description="learner: the newest versions' kind and bytes"
+    )
     bans: list[BanNote] = Field(
         default_factory=list, max_length=MAX_BANS_ON_CARD, description="learner: the peers it banned most recently"
     )

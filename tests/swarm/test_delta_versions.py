@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.swarm import LocalSwarm, http_json, learner_toml, wait_until
+from helpers.swarm import LocalSwarm, http_json, learner_toml, peers_json, wait_until
 
 # 900 s: generous for a busy 2-core box; the scenario itself takes about a minute.
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
@@ -72,6 +72,11 @@ def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_wei
         wait_until(lambda: published() >= stopped_at + 7, 240, interval=0.3, what="several versions published")
     finally:
         skipper.proc.send_signal(signal.SIGCONT)
+    # Its first install after the gap came by several hops, a composite or the keyframe: never one delta.
+    resumed = wait_until(lambda: [p for v, p in sorted(_info(skipper)["stats"]["fetch_path_of"].items(), key=lambda i: int(i[0]))
+                                  if int(v) > stopped_at + 6], 120, interval=0.2, what="the skipper to catch up")
+    catch_up = resumed[0]
+    assert catch_up["path"] in ("chain", "composite", "keyframe") and (catch_up["hops"] >= 2 or catch_up["path"] != "chain")
     restarted = local_swarm.start("restarted", "--role", "relay", "--trust", str(trust), env=FAST_HEAD,
                                   state_dir=restarted.state_dir)
     local_swarm.ready(restarted, timeout=120)
@@ -111,6 +116,12 @@ def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_wei
             assert paths.get("keyframe", 0) >= 1, paths
         else:
             assert sum(n for p, n in paths.items() if p != "keyframe") >= 1, (name, paths)
-    skipped = _info(skipper)["stats"]["fetch_path_of"]
-    assert any(p["hops"] >= 2 or p["path"] == "composite" for p in skipped.values()), skipped
+    # `echo2swarm peers`: each follower's path and bytes, and the learner's newest versions (from the cards)
+    assert local_swarm.bootstrap_addr
+    by_id = {p["peer_id"]: p for p in peers_json(local_swarm.bootstrap_addr, local_swarm.swarm)}
+    for name, relay in followers.items():
+        row = by_id[relay.info["peer_id"]]
+        assert row["fetch_path"] in ("delta", "chain", "composite", "keyframe") and row["fetch_bytes"] > 0, (name, row)
+    notes = by_id[learner.info["peer_id"]]["versions"]
+    assert notes and all(n["kind"] in ("dense", "delta") and n["dense_bytes"] > 0 for n in notes), notes
     assert held_before is not None
