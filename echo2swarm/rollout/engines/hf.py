@@ -101,6 +101,10 @@ class TransformersEngine:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype)
         self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
+        # sha256 of every tensor the model holds, from the signed manifest beside the version directory
+        # (policy/manifest.py); a delta version then refits only the tensors whose hash changed
+        self._hashes: dict[str, str] | None = signed_tensor_hashes(self.model_dir)
+        self.last_refit_tensors: int | None = None  # tensors copied by the last load_weights
         self._eos_ids = self._find_eos_ids()
         self._eos_tensor = torch.tensor(sorted(self._eos_ids), dtype=torch.long, device=self.device)
         pad = self.tokenizer.pad_token_id
@@ -251,12 +255,30 @@ class TransformersEngine:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, model_dir: Path) -> float:
+        """Swap in a version's weights in place. When both the loaded version and this one carry signed
+        tensor hashes (their manifests beside the directories), only the tensors whose hash changed
+        are read and copied into the live parameters; otherwise every tensor is loaded."""
         model = self._require_open()
         started = time.perf_counter()
         model_dir = Path(model_dir)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{model_dir}: no *.safetensors files to load")
+        hashes = signed_tensor_hashes(model_dir)
+        if hashes is not None and self._hashes is not None and set(hashes) == set(self._hashes) and len(files) == 1:
+            changed = sorted(name for name, sha in hashes.items() if self._hashes[name] != sha)
+            try:
+                with _torch_threads(self.threads):
+                    copied = _copy_changed(model, files[0], changed)
+            except BaseException:
+                self._hashes = None  # some tensors may have changed: the next load is a full one
+                raise
+            if copied is not None:
+                self._hashes, self.last_refit_tensors = hashes, copied
+                seconds = time.perf_counter() - started
+                logger.info("refitted %d of %d tensors (the ones whose signed hash changed) from %s in %.3f s",
+                            copied, len(hashes), model_dir, seconds)
+                return seconds
         with _torch_threads(self.threads):
             loaded: dict[str, torch.Tensor] = {}
             for file in files:
@@ -272,6 +294,7 @@ class TransformersEngine:
             # Copies into the existing parameters (tied ones share storage), so every holder of
             # the model object sees the new weights and nothing is re-instantiated.
             model.load_state_dict(full, strict=True)
+        self._hashes, self.last_refit_tensors = hashes, len(loaded)
         seconds = time.perf_counter() - started
         logger.info("loaded %d tensors from %s in %.3f s", len(loaded), model_dir, seconds)
         return seconds
@@ -313,6 +336,39 @@ def _sample(
         logp = torch.log_softmax(logits / params.temperature, dim=-1)
         token = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def signed_tensor_hashes(model_dir: Path) -> dict[str, str] | None:
+    """name -> sha256 of every tensor of an installed version, from the signed manifest the follower
+    verified and stored beside its directory (`versions/v00000007.manifest`); None when it has none."""
+    import json
+
+    path = Path(model_dir).with_name(Path(model_dir).name + ".manifest")
+    try:
+        tensors = json.loads(path.read_bytes())["manifest"]["tensors"]
+        hashes = {t["name"]: t["sha256"] for t in tensors}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return hashes if hashes and all(isinstance(v, str) for v in hashes.values()) else None
+
+
+def _copy_changed(model: torch.nn.Module, file: Path, names: list[str]) -> int | None:
+    """Copy the tensors `names` from a safetensors file into the model's parameters in place (every one
+    read before the first is copied). None, with nothing changed, when a name or shape does not fit."""
+    from safetensors import safe_open
+
+    state = model.state_dict()
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            tensors = {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError):
+        return None
+    if any(name not in state or tuple(t.shape) != tuple(state[name].shape) for name, t in tensors.items()):
+        return None
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            state[name].copy_(tensor)  # state_dict tensors share storage with the parameters (and tied aliases)
+    return len(tensors)
 
 
 def _complete_state_dict(
