@@ -7,6 +7,7 @@ import click
 from echo2swarm import __version__
 from echo2swarm.cli.daemon import daemon
 from echo2swarm.cli.demo import demo
+from echo2swarm.cli.doctor import doctor
 from echo2swarm.cli.artifacts import keygen, tiny_model
 from echo2swarm.cli.peers import peers
 from echo2swarm.cli.plan import plan
@@ -18,6 +19,7 @@ Start a swarm on one laptop and watch it:      echo2swarm demo
 Join a swarm as a rollout peer:                echo2swarm daemon --role rollout --price 0.3 --initial-peers /ip4/.../p2p/...
 See who is in a swarm:                         echo2swarm peers --initial-peers /ip4/.../p2p/...
 Which peers to activate, at what cost:         echo2swarm plan --initial-peers /ip4/.../p2p/...
+Check this machine before joining:             echo2swarm doctor --initial-peers /ip4/.../p2p/...
 """
 
 
@@ -33,6 +35,7 @@ cli.add_command(plan)
 cli.add_command(keygen)
 cli.add_command(tiny_model)
 cli.add_command(demo)
+cli.add_command(doctor)
 
 
 def main() -> None:
