@@ -275,10 +275,21 @@ def test_positions_out_of_range_or_not_increasing(pair):
     refused(base, with_b(b"\x01\x19", 2), "malformed", "out of range")             # index 25 of 25
     refused(base, with_b(b"\x01\x00", 2), "malformed", "out of order")             # repeated index
     refused(base, with_b(b"\x00", 1), "malformed", "out of order")                  # gap 0 from -1
-    refused(base, with_b(b"\x81\x00", 1), "malformed", "shortest form")             # non-minimal varint
-    refused(base, with_b(b"\xff" * 9 + b"\x01", 1), "malformed", "ends after 0")    # 10-byte varint
-    refused(base, with_b(b"\xff" * 9 + b"\x01\x01", 2), "malformed", "longer than")
-    refused(base, with_b(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "out of range")
+    # A gap beyond the tensor's size needs continuation bytes that 25 items leave no room for.
+    refused(base, with_b(b"\x81\x00", 1), "malformed", "within the 1 bytes")         # non-minimal varint
+    refused(base, with_b(b"\xff" * 9 + b"\x01", 1), "malformed", "within the 1 bytes")
+    refused(base, with_b(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "within the 2 bytes")
+
+
+def test_varint_decoder_refuses_overlong_and_non_minimal_varints():
+    stream = np.frombuffer(b"\x81\x00\x05", np.uint8)
+    with pytest.raises(DeltaError, match="shortest form"):
+        decode_varints(stream, 2)
+    with pytest.raises(DeltaError, match="longer than 9"):
+        decode_varints(np.frombuffer(b"\xff" * 9 + b"\x01\x01", np.uint8), 2)
+    with pytest.raises(DeltaError, match="ends after 1 of 2"):
+        decode_varints(np.frombuffer(b"\x05\x85\x85\x85", np.uint8), 2, max_bytes=3)
+    assert decode_varints(np.frombuffer(b"\x05\x85\x01", np.uint8), 2, max_bytes=3)[0].tolist() == [5, 133]
 
 
 def test_a_zstd_bomb_is_refused_before_it_is_decompressed(pair):
