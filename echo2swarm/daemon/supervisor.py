@@ -223,6 +223,11 @@ class Daemon:
             overlay = await Overlay.start(config.overlay, key_dir=state_dir)
         except BootstrapError as e:
             logger.error("%s", e)
+            from echo2swarm.daemon.doctor import check_p2pd_binary, check_ports
+
+            for check in [check_p2pd_binary(), *check_ports(config)]:  # the doctor's reasons, where they apply
+                if check.status == "fail":
+                    logger.error("%s: %s -> %s", check.name, check.detail, check.fix)
             return EXIT_CONFIG
         session = aiohttp.ClientSession()
         tasks: list[asyncio.Task[None]] = []

@@ -191,3 +191,12 @@ def test_t_bcast_waits_for_every_planned_peer_and_counts_a_skipped_version_by_th
     assert tracker.t_bcast_s is None  # PEERS[1] does not hold v5 yet; the standby peer is not waited for
     tracker.observe([card(PEERS[0], {5: 2.0}), card(PEERS[1], {6: 3.5}), card(PEERS[2], {}, active=False)])
     assert tracker.t_bcast == {5: 3.5} and tracker.t_bcast_s == 3.5
+
+
+def test_a_peer_nobody_can_dial_is_never_a_parent() -> None:
+    from echo2swarm.policy.broadcast_plan import plan_chains
+
+    receivers = [("a", None), ("b", 10), ("nat", 50), ("c", 5)]
+    chains = plan_chains(receivers, seeds=2, undialable={"nat"})
+    assert chains and all("nat" not in chain for chain in chains)
+    assert chains == [["a", "b", "c"], ["b", "a", "c"]]
