@@ -43,6 +43,7 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "last_seen": round(max(0.0, now_ms - c.updated_ms) / 1000, 1),
             "software": c.software,
             "chunk_url": c.chunk_url,
+            "reachability": c.reachability,  # public / relayed / private / unknown (overlay/reachability.py)
             "maddrs": c.maddrs,
             "banned": banned.get(c.peer_id),  # why the learner banned this peer for the run, else None
         }

@@ -63,7 +63,7 @@ class WanSwarm:
         return json.loads(out.stdout)
 
     def cli(self, host: Host, *args: str, timeout: float = 90) -> Any:
-        return host.run([sys.executable, "-m", "echo2swarm.cli.main", *args], timeout=timeout)
+        return host.run(["env", "COLUMNS=150", sys.executable, "-m", "echo2swarm.cli.main", *args], timeout=timeout)
 
     def close(self) -> None:
         for d in reversed(self.daemons):

@@ -76,7 +76,15 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
         print(json.dumps({"last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
                           "delivered": delivered, "served_across": across, "served_to": served, "uplink_bytes": up,
                           "reachability": {n: i["reachability"] for n, i in infos.items()}}, indent=1))
+        table = swarm.cli(lab.hosts["boot"], "peers", "--initial-peers", swarm.initial_peers[0], "--swarm", "wan")
+        listed = swarm.cli(lab.hosts["boot"], "peers", "--initial-peers", swarm.initial_peers[0], "--swarm", "wan",
+                           "--json")
+        print(table.stdout)
+        rows = {p["peer_id"]: p for p in json.loads(listed.stdout)}
+        print(json.dumps({p["role"] + " " + p["peer_id"][-8:]: [p["reachability"], p["chunk_url"], p["maddrs"]]
+                          for p in rows.values()}, indent=1))
         for name, info in infos.items():
+            assert rows[ids[name]]["reachability"] == "relayed" and rows[ids[name]]["chunk_url"] is None
             reach = info["reachability"]
             assert reach["state"] == "relayed", reach
             assert reach["maddrs"] and all("/p2p-circuit" in m for m in reach["maddrs"]), reach
