@@ -1,6 +1,7 @@
 """A swarm over the WAN lab: public bootstrap, learner and relay; one rollout peer in each of two homes
 behind NAT, started with no NAT flags. The peers find out they are behind NAT, take relay slots,
-advertise /p2p-circuit addresses only, and serve each other chunks through the relay."""
+advertise /p2p-circuit addresses only, and serve each other chunks through the relay. Half way the relay
+is killed: nobody stalls past a lease timeout (the bootstrap relays too), and the cards drop its circuit."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tests.helpers.wanlab import WanLab
 from tests.helpers.wanswarm import WanSwarm
 
 STEPS = 24
+KILL_AT_STEP = 8
+LEASE_TIMEOUT_S = 5.0
 HOME_UP_MBIT = 20
 
 
@@ -25,7 +28,9 @@ def _learner_toml(path: Path, model: Path, key: Path) -> Path:
         'role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "keyframe_every = 1",
         'chunk_size = "64KiB"', "[train]", 'task = "arith"', f"steps = {STEPS}", "staleness = 1",
         "prompts_per_step = 8", "group_size = 4", "max_new_tokens = 4", "checkpoint_every = 100", "threads = 1",
-        "[leases]", "max_prompts = 4", "timeout_s = 5.0",
+        "[leases]", "max_prompts = 4", f"timeout_s = {LEASE_TIMEOUT_S}",
+        # Both peers work throughout: cost-aware activation would put one on standby (the tiny model is fast).
+        "[activation]", "enabled = false",
     ]) + "\n")
     return path
 
@@ -56,11 +61,20 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
                               str(_learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key)))
         learner.wait_ready(120)
         up_before = {name: lab.uplink_bytes(name) for name in homes}
+        metrics = learner.state_dir / "run" / "metrics.jsonl"
+        # Half way, the relay dies: the homes still hold slots on the bootstrap, and leases never needed it.
+        wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) >= KILL_AT_STEP, 120, interval=0.2,
+                   what=f"{KILL_AT_STEP} steps")
+        relay_id = relay.info["peer_id"]
+        relay.terminate()
+        killed_at_step = len(read_metrics(metrics))
         assert learner.proc is not None
         learner.proc.wait(240)  # the learner exits by itself after its last step
         assert learner.proc.returncode == 0, learner.log_tail()
 
-        records = read_metrics(learner.state_dir / "run" / "metrics.jsonl")
+        records = read_metrics(metrics)
+        after = [r["time_s"] for r in records[killed_at_step - 1:]]
+        worst_gap = max(b - a for a, b in zip(after, after[1:]))
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         delivered = records[-1]["delivered"]
         ids = {name: d.info["peer_id"] for name, d in peers.items()}
@@ -73,7 +87,7 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
         served = {name: infos[name]["p2p_served_to"] for name in peers}
         across = {name: served[name].get(ids["b" if name == "a" else "a"], 0) for name in peers}
         up = {name: lab.uplink_bytes(name) - up_before[name] for name in homes}
-        print(json.dumps({"last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
+        print(json.dumps({"killed_relay_at_step": killed_at_step, "worst_step_gap_after_s": worst_gap, "last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
                           "delivered": delivered, "served_across": across, "served_to": served, "uplink_bytes": up,
                           "reachability": {n: i["reachability"] for n, i in infos.items()}}, indent=1))
         table = swarm.cli(lab.hosts["boot"], "peers", "--initial-peers", swarm.initial_peers[0], "--swarm", "wan")
@@ -91,6 +105,14 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
             assert reach["chunk_url_reachable"] is False, "the home's chunk server must not be reachable from outside"
             assert shares[name] >= 0.25, f"{name} delivered {shares[name]:.0%} of the groups"
         assert sum(across.values()) > 0, f"no chunk went between the two homes: {served}"
+        assert worst_gap <= LEASE_TIMEOUT_S + 3, f"a step waited {worst_gap:.1f} s after the relay died"
+
+
+        def dead_relay_dropped() -> bool:  # p2pd drops a dead relay's circuit after some seconds; the bootstrap's stays
+            cards = [swarm.info(d)["reachability"]["maddrs"] for d in peers.values()]
+            return all(maddrs and all(relay_id not in m for m in maddrs) for maddrs in cards)
+
+        wait_until(dead_relay_dropped, 30, interval=1.0, what="the homes to drop the dead relay's circuit address")
         assert sum(up.values()) >= sum(across.values()), "bytes served across homes left through their uplinks"
     finally:
         swarm.close()
