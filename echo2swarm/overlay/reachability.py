@@ -8,8 +8,9 @@
     ─► state  public    a direct address answered: advertise the addresses at the observed IP
               relayed   none answered, a relay slot is held: advertise the /p2p-circuit addresses
               private   none answered and no relay slot yet: advertise nothing (dial out only)
-              unknown   no public peer answered: advertise what we have, minus loopback (unless
-                        everything is loopback: a swarm on one machine)
+              unknown   no public peer ever answered: advertise what we have, minus loopback
+                        (unless everything is loopback: a swarm on one machine); once one has
+                        answered, an unanswered probe keeps the last verdict
        chunk URL in the card only if the chunk server answered (or could not be checked).
 
 The DHT node's mode is not switched at run time (hivemind fixes it at creation; emptying its
@@ -23,6 +24,7 @@ against third parties or used to make a peer dial in a loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -197,7 +199,10 @@ class ReachabilityTracker:
         """Re-read our addresses, probe when due or changed; True if the card's view changed."""
         before = (self.state, self.maddrs, self.chunk_ok)
         self.listen = await self.overlay.listen_maddrs()
-        due = time.monotonic() - self._last_probe >= self.config.reachability_period_s
+        period = self.config.reachability_period_s
+        if self.state == "unknown":  # nobody answered yet (a bootstrap before anyone joined): ask again sooner
+            period = min(period, 5 * self.config.announce_period_s)
+        due = time.monotonic() - self._last_probe >= period
         if force or due or self.listen != self._probed_listen:
             await self._probe(chunk_url)
         self._decide()
@@ -220,12 +225,15 @@ class ReachabilityTracker:
         if chunk_url:
             tail = chunk_url.rsplit(":", 1)[-1]
             chunk_port = int(tail) if tail.isdigit() else None
-        result = await probe(self.overlay, self.targets(), ports, chunk_port, clock=self.clock)
+        targets = self.targets()
+        if not targets:  # a bootstrap has no initial peers: learn the public peers from the cards
+            with contextlib.suppress(Exception):
+                await self.overlay.get_cards()
+            targets = self.targets()
+        result = await probe(self.overlay, targets, ports, chunk_port, clock=self.clock)
         self.responder = result.responder
-        if result.reply is None:
-            self.observed = None
+        if result.reply is None:  # nobody answered: keep the last answer (a peer that left says nothing about us)
             self.last_error = "; ".join(result.errors)[:300] or "no public peer to ask"
-            self._reply_state = "unknown"
             return
         reply = result.reply
         self.last_error = None

@@ -32,6 +32,9 @@ class _Overlay:
     def public_peers(self) -> list[str]:
         return []
 
+    async def get_cards(self) -> tuple[list[object], int]:
+        return [], 0
+
 
 def _tracker(monkeypatch: pytest.MonkeyPatch, listen: list[str], reply: DialbackReply | None) -> ReachabilityTracker:
     async def probe(overlay: Any, targets: list[str], ports: list[int], chunk_port: int | None, **_: Any):
@@ -80,3 +83,13 @@ def test_probe_messages_and_card_field_are_bounded() -> None:
     assert PeerCard(**fields, reachability="relayed").reachability == "relayed"
     with pytest.raises(ValueError):
         PeerCard(**fields, reachability="hole-punched-maybe")  # type: ignore[arg-type]
+
+
+def test_an_unanswered_probe_keeps_the_last_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _tracker(monkeypatch, ["/ip4/11.0.0.12/tcp/4001"],
+                 DialbackReply(observed="11.0.0.12", reached=[4001], chunk_ok=True, time_ms=0))
+    asyncio.run(t.update(None, force=True))
+    assert t.state == "public"
+    _tracker(monkeypatch, [], None)  # the responder left: the next probe gets no answer
+    asyncio.run(t.update(None, force=True))
+    assert t.state == "public" and t.maddrs == ["/ip4/11.0.0.12/tcp/4001"] and t.last_error
