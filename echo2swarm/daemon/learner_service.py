@@ -148,7 +148,10 @@ class LearnerService:
         self.published = published
         self.history.append(published)
         self.published_kinds[published.kind] += 1
-        self.previous = DeltaBase(published.version, published.manifest_sha256, state)
+        # A copy: on the CPU in the master dtype, the trainer's cast is the live parameters themselves,
+        # which the next step changes in place (the next delta would then be against itself).
+        base = await asyncio.to_thread(lambda: {name: t.clone() for name, t in state.items()})
+        self.previous = DeltaBase(published.version, published.manifest_sha256, base)
         if published.kind == "dense":
             self.keyframe, self.chain_bytes = self.previous, 0
         else:

@@ -125,3 +125,29 @@ def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_wei
     notes = by_id[learner.info["peer_id"]]["versions"]
     assert notes and all(n["kind"] in ("dense", "delta") and n["dense_bytes"] > 0 for n in notes), notes
     assert held_before is not None
+
+
+def test_float32_publishing_keeps_exact_bases(local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path,
+                                                tmp_path: Path):
+    """In float32 on the CPU the publish cast is the live parameters: the learner must keep a copy as the
+    next delta's base, or its deltas come out empty and every follower refuses them."""
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=400, staleness=1, lr=1e-3,
+                          weight_decay=0.5, min_step_s=0.4, checkpoint_every=1000)
+    config.write_text(config.read_text().replace("[publish]\n", "[publish]\ndtype = \"float32\"\n"
+                                                 "delta_max_ratio = 1.0\nchunk_size = \"64KiB\"\n"))
+    local_swarm.bootstrap()
+    learner = local_swarm.start("learner", "--config", str(config), env={"ECHO2SWARM_ACTIVATION__ENABLED": "false"})
+    trust = Path(f"{policy_key}.pub")
+    worker = local_swarm.rollout("rollout", trust=trust, env=PACED)
+    relay = local_swarm.start("relay", "--role", "relay", "--trust", str(trust), env=FAST_HEAD)
+    for d in (learner, worker, relay):
+        local_swarm.ready(d, timeout=120)
+    wait_until(lambda: max(_info(relay)["versions"] or [0]) >= 4, 240, interval=0.3, what="the relay at v4")
+    stats = _info(relay)["stats"]
+    assert not {k: n for k, n in stats["refused_heads"].items() if k.startswith("delta_")}, stats["refused_heads"]
+    assert sum(n for p, n in stats["fetch_paths"].items() if p != "keyframe") >= 1, stats["fetch_paths"]
+    for v in _info(relay)["versions"]:
+        theirs = learner.state_dir / "versions" / f"v{v:08d}" / "model.safetensors"
+        if theirs.exists():
+            ours = relay.state_dir / "versions" / f"v{v:08d}" / "model.safetensors"
+            assert _tensor_hashes(ours) == _tensor_hashes(theirs), v
