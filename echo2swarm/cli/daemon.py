@@ -88,6 +88,14 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     from echo2swarm.daemon.supervisor import preflight, run_daemon
     from echo2swarm.runtime.logging import setup_logging
 
+    if config.role == "learner" and int(os.environ.get("RANK", "0")) > 0:
+        # Rank 1..W-1 of a sharded learner under torchrun (scripts/launch_learner.sh): no network
+        # side, only its shards of the training, following rank 0's commands until it says stop.
+        from echo2swarm.learner.distributed import serve_rank
+
+        setup_logging(config.log_level)
+        os._exit(serve_rank(Path(config.publish.model), config.train, config.verify))  # type: ignore[arg-type]
+
     try:
         preflight(config)  # bad keys and model directories fail here, before any network start
     except ValueError as e:

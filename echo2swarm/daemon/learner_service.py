@@ -27,7 +27,7 @@ from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
-from echo2swarm.learner.checkpoint import load_latest, restore_rng, save_checkpoint
+from echo2swarm.learner.checkpoint import load_latest, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
@@ -82,13 +82,15 @@ class LearnerService:
 
     # -- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        from echo2swarm.learner.trainer import GRPOTrainer  # torch + transformers: only in the learner
+        # torch + transformers: only in the learner. Under torchrun (W > 1) this is rank 0 of a sharded
+        # trainer; ranks 1..W-1 follow its commands (learner/distributed.py, started by `daemon`).
+        from echo2swarm.learner.distributed import make_trainer
         from echo2swarm.tasks.registry import get_task
 
         model_dir = Path(self.config.publish.model)  # type: ignore[arg-type]
         versions = self.ctx.versions
         self.trainer = await asyncio.to_thread(
-            GRPOTrainer, model_dir, self.train, verify=self.config.verify,
+            make_trainer, model_dir, self.train, verify=self.config.verify,
             # Behaviour versions within the staleness window are on disk: the learner keeps S + 4 versions.
             weights_of=lambda v: versions.dir(v) if versions.installed(v) else None,
         )
@@ -96,9 +98,7 @@ class LearnerService:
         cursor, requeue = 0, []
         checkpoint = await asyncio.to_thread(load_latest, self.run_dir)
         if checkpoint is not None:
-            self.trainer.load_weights(checkpoint.tensors)
-            self.trainer.optimizer.load_state_dict(checkpoint.state["optimizer"])
-            restore_rng(checkpoint.state)
+            await asyncio.to_thread(checkpoint.restore, self.trainer)  # written by any number of ranks
             self.steps_done = checkpoint.step
             cursor = checkpoint.state["extra"]["cursor"]
             requeue = checkpoint.state["extra"]["requeue"]
@@ -183,7 +183,7 @@ class LearnerService:
             path = self.ctx.versions.dir(self.published.version) / WEIGHTS_FILE
             tensors = await asyncio.to_thread(load_file, str(path))
         self.trainer.load_weights(tensors)
-        self.trainer.optimizer.state.clear()
+        self.trainer.reset_optimizer()  # on every rank of a sharded learner
         self.rollbacks += 1
 
     def _load_bases(self, state: dict[str, Any]) -> None:
@@ -258,6 +258,7 @@ class LearnerService:
             await self._train(stop, started)
         finally:
             watcher.cancel()
+        await asyncio.to_thread(self.trainer.close)  # a sharded learner's other ranks leave too
         # Training is over or the daemon is stopping (a crash raised above, and the supervisor reruns
         # us with the log open): finish the trackers now, as the daemon leaves with os._exit.
         await asyncio.to_thread(self.metrics.close)
@@ -328,13 +329,13 @@ class LearnerService:
     async def _checkpoint(self) -> None:
         assert self.intake is not None
         try:
-            weights = await asyncio.to_thread(self.trainer.weights_bytes)
+            await asyncio.to_thread(self.trainer.assert_finite)
         except NonFiniteWeightsError as e:  # a checkpoint of a non-finite policy would be resumed from
             await self._roll_back(str(e))
             return
         path = await asyncio.to_thread(
-            save_checkpoint, self.run_dir, step=self.steps_done, version=self.version, weights=weights,
-            optimizer=self.trainer.optimizer, extra=self.intake.leases.snapshot(), keep=self.train.keep_checkpoints,
+            save_checkpoint, self.run_dir, step=self.steps_done, version=self.version, trainer=self.trainer,
+            extra=self.intake.leases.snapshot(), keep=self.train.keep_checkpoints,
         )
         logger.info("checkpoint step %d (version %d) at %s", self.steps_done, self.version, path)
 

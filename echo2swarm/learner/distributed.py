@@ -36,10 +36,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
@@ -125,8 +125,18 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, bf16: bool) -> torch.nn.Mo
                          "the sharded learner needs one to shard by")
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # The root too gives its gathered parameters back after each forward (FSDP2 keeps them by
+    # default, for the backward): scoring forwards have no backward, and the state-dict calls
+    # need every parameter sharded.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP module of ``model`` back to its shards (after a forward that had no backward)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class ShardedTrainer(GRPOTrainer):
@@ -164,20 +174,30 @@ class ShardedTrainer(GRPOTrainer):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return shard_model(model, self.mesh, bf16=self.bf16)
 
-    def _load_policy(self) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
-        names = set(model.state_dict())
+    def _from_model_dir(self) -> torch.nn.Module:
+        """Rank 0's weights in every rank's shards: rank 0 reads the model directory, the others
+        build the architecture from its config.json and receive the weights from rank 0."""
+        if self.rank == 0:
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir), dtype=torch.float32)
         self._names = set(unique_state_dict(model))  # what a full state holds: tied duplicates left out
-        self._tied = names - self._names
-        params = sum(p.numel() for p in model.parameters())
+        self._tied = set(model.state_dict()) - self._names
+        full = unique_state_dict(model) if self.rank == 0 else {}
         model = self._sharded(model)
+        self._load_full(model, full)
+        return model
+
+    def _load_policy(self) -> torch.nn.Module:
+        model = self._from_model_dir()
+        params = sum(p.numel() for p in model.parameters())  # DTensors: their global sizes
         model.train()
         logger.info("trainer: %s sharded over %d ranks on %s (%d params, %s compute, fp32 master weights)",
                     self.model_dir, self.world, self.device, params, "bf16" if self.bf16 else "fp32")
         return model
 
     def _load_reference(self) -> torch.nn.Module:
-        reference = self._sharded(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32))
+        reference = self._from_model_dir()
         reference.requires_grad_(False)
         return reference.eval()
 
@@ -226,6 +246,7 @@ class ShardedTrainer(GRPOTrainer):
         if problem:
             raise ValueError(problem)
         full = {n: t.to(torch.float32) for n, t in tensors.items()} if self.rank == 0 else {}
+        reshard(model)
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                    strict=False))
 
@@ -266,6 +287,7 @@ class ShardedTrainer(GRPOTrainer):
         return out
 
     def _gather_full(self) -> dict[str, torch.Tensor]:
+        reshard(self.model)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {n: t for n, t in state.items() if n not in self._tied} if self.rank == 0 else {}
 
@@ -298,12 +320,20 @@ class ShardedTrainer(GRPOTrainer):
     def save_state(self, path: Path) -> None:
         with self._lock:
             self._send("save_state", str(path))
-            super().save_state(path)
+            self._save_local(path)
 
     def load_state(self, path: Path) -> None:
         with self._lock:
             self._send("load_state", str(path))
-            super().load_state(path)
+            self._load_local(path)
+
+    def _save_local(self, path: Path) -> None:
+        reshard(self.model)
+        GRPOTrainer.save_state(self, Path(path))
+
+    def _load_local(self, path: Path) -> None:
+        reshard(self.model)
+        GRPOTrainer.load_state(self, Path(path))
 
     def save_model_dir(self, out_dir: Path) -> Path:
         """A Hugging Face model directory of the policy, written by rank 0 from the gathered weights."""
@@ -331,8 +361,8 @@ class ShardedTrainer(GRPOTrainer):
             "load": lambda: self._load_full(self.model, {}),
             "reset_optimizer": lambda: GRPOTrainer.reset_optimizer(self),
             "finite": self._all_finite,
-            "save_state": lambda path: GRPOTrainer.save_state(self, Path(path)),
-            "load_state": lambda path: GRPOTrainer.load_state(self, Path(path)),
+            "save_state": self._save_local,
+            "load_state": self._load_local,
         }
         while True:
             name, args = self._from_rank0(None)

@@ -5,10 +5,12 @@ or under torchrun (W ranks, ShardedTrainer), so tests compare the two.
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/helpers/sharded_steps.py MODEL OUT
 
 The batches: 4 groups of 4 completions drawn from the initial policy's vocabulary by a seeded RNG,
-version 1, with behaviour logprobs computed by the initial policy (plain, on rank 0's CPU, before
-anything is sharded), so the learner's verification passes them; step i trains at version i, so
-from step 2 on the groups are stale and the verifier's exact check loads version 1 into its spare
-model (weights_of(1) is the initial weights). OUT/result.json holds the per-step stats, OUT/initial.bin
+two of version 1 and two of version 2, with behaviour logprobs computed by the initial policy
+(plain, on rank 0's CPU, before anything is sharded), so the learner's verification passes them:
+weights_of(1) and weights_of(2) are both the initial weights. Steps train at versions 2, 3, ...,
+so the groups are stale and the verifier's exact checks load versions 1 and 2 in turn into its
+one spare model; --checkpoint writes a checkpoint after the steps,
+--resume starts from one (at its version). OUT/result.json holds the per-step stats, OUT/initial.bin
 the published bf16 bytes before training, OUT/final.safetensors the fp32 weights after.
 """
 
@@ -28,6 +30,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
 from echo2swarm.learner.buffer import Group  # noqa: E402
+from echo2swarm.learner.checkpoint import load_latest, save_checkpoint  # noqa: E402
 from echo2swarm.learner.distributed import make_trainer, serve_rank, world_size  # noqa: E402
 from echo2swarm.learner.grpo import token_logprobs  # noqa: E402
 from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
@@ -40,7 +43,7 @@ def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:
     for g in range(4):
         prompt = plain.encode_prompt(f"{rng.randint(1, 99)}+{rng.randint(1, 99)}=")
         completions = [[rng.randrange(4, plain.vocab_size) for _ in range(rng.randint(2, 6))] for _ in range(4)]
-        groups.append(Group(prompt_id=f"p{g}", version=1, prompt_ids=prompt, completions=completions,
+        groups.append(Group(prompt_id=f"p{g}", version=1 + g // 2, prompt_ids=prompt, completions=completions,
                             behaviour_logprobs=[[0.0] * len(c) for c in completions],
                             rewards=[float(rng.random() < 0.5) + 0.1 * i for i in range(4)],
                             finish_reasons=["stop"] * 4))
@@ -63,23 +66,35 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--train", default="{}", help="TrainConfig fields, JSON")
+    parser.add_argument("--resume", type=Path, help="run dir: resume from its latest checkpoint first")
+    parser.add_argument("--checkpoint", type=Path, help="run dir: write a checkpoint after the steps")
     args = parser.parse_args()
-    config = TrainConfig(**{"device": "cpu", "lr": 1e-2, "kl_coef": 0.05, "seed": 3, **json.loads(args.train)})
-    verify = VerifyConfig(seed=0, sample_fraction=1.0)
+    config = TrainConfig(**{"device": "cpu", "lr": 2e-3, "kl_coef": 0.05, "seed": 3, **json.loads(args.train)})
+    # One spare model for two versions: it is reloaded after forwards (FSDP must have resharded it).
+    verify = VerifyConfig(seed=0, sample_fraction=1.0, spare_models=1)
     rank = int(__import__("os").environ.get("RANK", "0"))
     if rank != 0:
         sys.exit(serve_rank(args.model, config, verify))
     groups = fixed_groups(args.model, config)
     initial = load_file(args.model / "model.safetensors")
-    trainer = make_trainer(args.model, config, verify=verify, weights_of=lambda v: initial if v == 1 else None)
+    trainer = make_trainer(args.model, config, verify=verify, weights_of=lambda v: initial if v <= 2 else None)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "initial.bin").write_bytes(trainer.weights_bytes(torch.bfloat16))
+    first = 2
+    if args.resume is not None:
+        checkpoint = load_latest(args.resume)
+        assert checkpoint is not None, f"no checkpoint in {args.resume}"
+        checkpoint.restore(trainer)
+        first = checkpoint.version
     steps = []
-    for version in range(1, args.steps + 1):
+    for version in range(first, first + args.steps):
         stats = trainer.step(groups, current_version=version)
         stats.pop("refused_groups")
         steps.append({k: v for k, v in stats.items() if isinstance(v, (int, float))})
     save_file(trainer.weights_state(), str(args.out / "final.safetensors"))
+    if args.checkpoint is not None:
+        save_checkpoint(args.checkpoint, step=first + args.steps - 1, version=first + args.steps, trainer=trainer,
+                        extra={}, keep=1)
     (args.out / "result.json").write_text(json.dumps({"world": world_size(), "steps": steps}))
     trainer.close()
 

@@ -126,14 +126,12 @@ def test_trainer_on_cuda_keeps_everything_on_the_gpu(tiny_model_dir: Path, tmp_p
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float32
 
     # A GPU learner's checkpoint resumes on the GPU and on a CPU-only learner.
-    save_checkpoint(tmp_path / "run", step=2, version=3, weights=gpu.weights_bytes(), optimizer=gpu.optimizer,
-                    extra={}, keep=1)
+    save_checkpoint(tmp_path / "run", step=2, version=3, trainer=gpu, extra={}, keep=1)
     checkpoint = load_latest(tmp_path / "run")
     assert checkpoint is not None
     for device in ("cpu", "cuda"):
         resumed = GRPOTrainer(tiny_model_dir, config.model_copy(update={"device": device}), verify=UNVERIFIED)
-        resumed.load_weights(checkpoint.tensors)
-        resumed.optimizer.load_state_dict(checkpoint.state["optimizer"])
+        checkpoint.restore(resumed)
         moments = resumed.optimizer.state_dict()["state"].values()
         assert all(s["exp_avg"].device.type == device for s in moments)
         assert resumed.step(groups, current_version=3)["stale_sequences"] == 12

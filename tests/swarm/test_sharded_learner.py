@@ -1,0 +1,101 @@
+"""A learner of two ranks (torchrun, FSDP2 over gloo): rollout peers train it as they train one
+process, and a rank killed with SIGKILL stops it whole, to resume from the sharded checkpoint with
+one rank and with two."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+
+from echo2swarm.runtime.processes import DaemonProcess, ProcessFailed, child_pids, loopback_args, pid_alive
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
+PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
+
+
+class ShardedLearner(DaemonProcess):
+    """`echo2swarm daemon` under torchrun with `ranks` ranks; rank 0 writes daemon.json."""
+
+    def __init__(self, name: str, args: list[str], state_dir: Path, ranks: int, env: dict[str, str] | None = None):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                    "--max-restarts=0", "--no-python"]
+        super().__init__(name, args, state_dir, env=env, wrap=torchrun)
+
+    def ranks(self) -> list[int]:
+        """The rank processes, rank 0 (the daemon's pid in daemon.json) first."""
+        pids = child_pids(self.pid)
+        daemon = self.info.get("pid")
+        return sorted(pids, key=lambda p: p != daemon)
+
+    def _ready(self) -> dict[str, Any] | None:
+        """As the base class, but daemon.json's pid is rank 0's, a child of torchrun."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise ProcessFailed(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
+        try:
+            info = json.loads((self.state_dir / "daemon.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return info if info.get("pid") in child_pids(self.pid) else None
+
+
+def descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        for child in child_pids(todo.pop()):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _start_sharded(swarm: LocalSwarm, name: str, config: Path, ranks: int, state_dir: Path) -> ShardedLearner:
+    learner = ShardedLearner(name, [*loopback_args(swarm.swarm, "DEBUG"), "--initial-peers", str(swarm.bootstrap_addr),
+                                    "--config", str(config)], state_dir, ranks)
+    swarm.daemons.append(learner.start())
+    return learner
+
+
+def _metrics(state_dir: Path) -> Path:
+    return state_dir / "run" / "metrics.jsonl"
+
+
+def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path,
+                                                tmp_path: Path) -> None:
+    # As tests/swarm/test_training.py's resume test trains a single-process learner: 90 steps of 16 x 8.
+    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=90, checkpoint_every=30,
+                          prompts_per_step=16, group_size=8)
+    local_swarm.bootstrap()
+    state = tmp_path / "learner"
+    learner = _start_sharded(local_swarm, "learner", config, 2, state)
+    trust = Path(f"{policy_key}.pub")
+    peers = [local_swarm.rollout(f"rollout-{i}", trust=trust) for i in (1, 2)]
+    for d in (learner, *peers):
+        local_swarm.ready(d, timeout=180)
+    ranks = learner.ranks()
+    assert len(ranks) == 2
+    assert learner.proc is not None
+    learner.proc.wait(600)  # rank 0 ends training, tells rank 1 to stop; torchrun exits 0
+    assert learner.proc.returncode == 0, learner.log_tail(60)
+    assert not any(pid_alive(p) for p in ranks), "a rank outlived torchrun"
+
+    records = read_metrics(_metrics(state))
+    assert [r["step"] for r in records] == list(range(1, 91))
+    assert all(r["version"] == r["step"] for r in records)
+    delivered = records[-1]["delivered"]
+    assert all(delivered.get(p.info["peer_id"], 0) > 0 for p in peers), delivered
+    assert not any(r.get("skipped_nonfinite") for r in records)
+    assert sum(sum(r.get("verify_refused", {}).values()) for r in records) == 0  # honest peers, exact checks pass
+    first = sum(r["reward_mean"] for r in records[:20]) / 20
+    last = sum(r["reward_mean"] for r in records[-20:]) / 20
+    assert last > first, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    assert (state / "run" / "final" / "model.safetensors").is_file()
+    assert (state / "run" / "checkpoints" / "step-00000090" / "state" / ".metadata").is_file()
+    for p in peers:  # they hold the last version the two ranks published
+        assert http_json(p.info["chunk_url"] + "/v1/info")["version"] >= 90
