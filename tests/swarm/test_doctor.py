@@ -9,6 +9,8 @@ import pytest
 
 from helpers.swarm import LocalSwarm, run_cli
 
+pytestmark = pytest.mark.swarm
+
 
 def _doctor(*args: str) -> tuple[int, dict[str, list[dict[str, str]]]]:
     result = run_cli("doctor", "--json", "--timeout", "5", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args, timeout=120)
