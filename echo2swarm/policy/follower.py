@@ -33,21 +33,14 @@ import aiohttp
 from echo2swarm.config.models import FetchConfig, StoreConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
-from echo2swarm.policy.catchup import MAX_CHAIN, DeltaRefused, Hop, Linked, check_dense, choose_path, rebuild
+from echo2swarm.policy.catchup import Linked
+from echo2swarm.policy.installer import Links, VersionInstaller
 from echo2swarm.policy.broadcast_plan import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
 from echo2swarm.policy.sources import ChunkSource, HttpSource, PeerSource, SourceError
-from echo2swarm.policy.manifest import (
-    BaseRef,
-    ChunkRef,
-    DeltaFile,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    sha256_hex,
-    verify_head,
-)
+from echo2swarm.policy.manifest import ChunkRef, ManifestError, verify_head
 from echo2swarm.wire.records import HeadRecord, parse_head
+from echo2swarm.wire.signing import PublicKey
 from echo2swarm.policy.p2p import P2PSource
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
@@ -109,11 +102,13 @@ class PolicyFollower:
         self.publisher: str | None = None
         self._wake = asyncio.Event()
         self._installed = asyncio.Condition()
-        # Delta versions: how each installed version was reached (policy/catchup.PATHS) and what it cost.
-        self.paths: Counter[str] = Counter()
-        self.last_path: str | None = None
-        self.path_of: dict[int, dict[str, object]] = {}  # version -> {"path", "bytes", "hops"}, last 16
-        self._refused_versions: set[tuple[int, str]] = set()  # (version, manifest sha256) whose rebuild failed
+        # Delta versions: paths chosen, hops fetched, rebuilt and checked (policy/installer.py).
+        self.installer = VersionInstaller(self.fetcher, chunks, versions, self.inflight, self.refused, Links(
+            holders=self._holders, route=self._route, trusted=self._trusted, swarm=self.swarm,
+            peer_assist=fetch.peer_assist))
+        # how each installed version was reached (policy/catchup.PATHS) and what it cost: the installer's
+        self.paths = self.installer.paths
+        self.path_of = self.installer.path_of  # version -> {"path", "bytes", "hops"}, last 16
 
     def offer(self, head_json: str) -> None:
         """A head seen outside the DHT (a lease reply): fetch it now if it is newer. Verified like any other."""
@@ -206,7 +201,7 @@ class PolicyFollower:
         publisher = self._publisher_source(head)
         if publisher is None:
             raise FetchError(f"v{head.version}: the learner {head.publisher[-8:]} has no reachable card yet")
-        if (head.version, head.manifest_sha256) in self._refused_versions:
+        if self.installer.refused_before(head.version, head.manifest_sha256):
             return None  # refused once (its rebuilt weights did not match its own signed hashes)
         self.fetching_version = head.version
         self.on_state()
@@ -221,7 +216,7 @@ class PolicyFollower:
                 self._refuse(e, head)
                 return None
             self.plan = await self._fetch_plan(head, publisher)
-            path = await self._catch_up(head, publisher, Linked(manifest, envelope))
+            path = await self.installer.catch_up(head, publisher, Linked(manifest, envelope))
             if path is None:
                 self.on_state()
                 return None
@@ -256,142 +251,13 @@ class PolicyFollower:
             self.on_state()
         return manifest.version
 
-    # -- delta versions: path, hops, rebuild -----------------------------------------------------
-    def _held(self) -> dict[int, str]:
-        """Installed versions -> their manifest envelope's sha256 (what delta links name)."""
-        out = {}
-        for v in self.versions.versions():
-            data = self.versions.manifest_bytes(v)
-            if data is not None:
-                out[v] = sha256_hex(data)
-        return out
+    @property
+    def last_path(self) -> str | None:
+        return self.installer.last_path
 
-    async def _linked(self, ref: BaseRef, head: HeadRecord, publisher: ChunkSource) -> Linked:
-        data = self.versions.manifest_bytes(ref.version)
-        if data is not None and sha256_hex(data) == ref.manifest_sha256:
-            manifest = self.versions.manifest(ref.version)
-            assert manifest is not None
-            return Linked(manifest, data)
-        assert self.trust.key is not None
-        sources = [s for s in self._holders(ref.version) if s.peer_id != head.publisher] + [publisher]
-        manifest, data = await self.fetcher.fetch_linked_manifest(
-            ref, sources if self.fetch_config.peer_assist else [publisher], trusted=self.trust.key, swarm=self.swarm,
-            publisher=publisher.name)
-        return Linked(manifest, data)
-
-    @staticmethod
-    def _link_back(manifest: Manifest, held: dict[int, str]) -> DeltaFile | None:
-        """The link to walk back along: the primary delta; past a keyframe only when we hold an older
-        version (its delta from the version before it may then beat the dense weights)."""
-        if manifest.delta is not None:
-            return manifest.delta
-        if held and min(held) < manifest.version:
-            return next((d for d in manifest.alternatives if d.base.version == manifest.version - 1), None)
-        return None
-
-    async def _walk_back(self, head: HeadRecord, publisher: ChunkSource, target: Linked) -> list[Linked]:
-        """The target, then the manifests its primary deltas name, back to one we hold or a keyframe."""
-        chain, held = [target], self._held()
-        while (delta := self._link_back(chain[-1].manifest, held)) is not None and len(chain) < MAX_CHAIN:
-            if held.get(delta.base.version) == delta.base.manifest_sha256:
-                break
-            try:
-                chain.append(await self._linked(delta.base, head, publisher))
-            except (FetchError, ManifestError) as e:  # that link is gone: plan with what we have
-                logger.info("v%d: base manifest v%d unavailable (%s)", chain[-1].manifest.version, delta.base.version, e)
-                break
-        return chain
-
-    async def _catch_up(self, head: HeadRecord, publisher: ChunkSource, target: Linked) -> Path | None:
-        """Install the target version by the cheapest path; a refused delta is excluded and we plan
-        again (at most 3 times). None: the version is refused (nothing installed, nothing announced)."""
-        bad: set[tuple[int, int, str]] = set()
-        before = self.fetcher.stats["bytes_fetched"]
-        for _ in range(3):
-            chain = await self._walk_back(head, publisher, target)
-            choice = choose_path(chain, self._held(), bad)
-            if choice is None:
-                if bad:
-                    break
-                raise FetchError(f"v{target.manifest.version}: no path from the versions held "
-                                 "(the chain's manifests are gone and no keyframe was reached)")
-            hops, label = choice
-            try:
-                path = self.versions.dir(target.manifest.version)
-                for hop in hops:
-                    path = await self._install_hop(head, publisher, hop)
-            except DeltaRefused as e:
-                self.refused[f"delta_{e.reason}"] += 1
-                logger.warning("refused policy v%d rebuilt via %s (%s): %s; planning without it", hop.linked.manifest.version,
-                               "a delta" if hop.delta else "its dense files", e.reason, e)
-                if hop.delta is None:
-                    break
-                bad.add((hop.linked.manifest.version, hop.delta.base.version, hop.delta.file.sha256))
-                continue
-            version = target.manifest.version
-            self.last_path = label
-            self.paths[label] += 1
-            self.path_of[version] = {"path": label, "bytes": self.fetcher.stats["bytes_fetched"] - before,
-                                     "hops": len(hops)}
-            for old in sorted(self.path_of)[:-16]:
-                del self.path_of[old]
-            return path
-        self._refused_versions.add((target.manifest.version, target.sha256))
-        logger.warning("policy v%d refused: no path rebuilds weights that match its signed tensor hashes",
-                       target.manifest.version)
-        return None
-
-    async def _install_hop(self, head: HeadRecord, publisher: ChunkSource, hop: Hop) -> Path:
-        """Fetch one hop's chunks, rebuild and check its weights, then install it (a rename)."""
-        m, envelope, delta = hop.linked.manifest, hop.linked.envelope, hop.delta
-        if self.versions.installed(m.version):  # another learner's v (a different manifest): replaced
-            self.versions.remove(m.version)
-        files = m.path_files(delta)
-        refs = m.chunk_refs(files)
-        planned = m.version == head.version and (delta is None or delta is m.delta)  # the plan's chunk order
-        self.inflight.begin(m, envelope, {r.sha256 for r in refs if self.chunks.has(r.sha256)}, refs)
-        try:
-            assembly = await asyncio.to_thread(self.versions.begin, m, files)
-            try:
-                await self.fetcher.fetch_chunks(
-                    m, lambda i, ref: self._route(head, publisher, i, ref, m.version, planned),
-                    on_chunk=self.inflight.arrived, sink=assembly, publisher=publisher.name, refs=refs,
-                )
-                await asyncio.to_thread(assembly.fill, self.chunks)
-                extra = None
-                try:
-                    if delta is not None:
-                        base = self.versions.manifest(delta.base.version)
-                        if base is None:
-                            raise DeltaRefused("wrong_base", f"v{m.version}: base v{delta.base.version} is no longer held")
-                        blob = (assembly.tmp / delta.file.name).read_bytes()
-                        weights = await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version),
-                                                          base, blob)
-                        (assembly.tmp / delta.file.name).unlink()  # the version directory is a plain model dir
-                        extra = {m.weights_file or "model.safetensors": weights}
-                    else:
-                        await asyncio.to_thread(check_dense, m, assembly.tmp)
-                except DeltaRefused:
-                    await asyncio.to_thread(self._drop, files)
-                    raise
-                return await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks, extra)
-            except BaseException:
-                assembly.abort()  # not awaited: it must run even when this task is being cancelled
-                raise
-        finally:
-            self.inflight.end()
-
-    def _drop(self, files: list[FileEntry]) -> None:
-        """Remove a refused hop's chunks from the store (unless an installed version uses them): never served onward."""
-        keep: set[str] = set()
-        for v in self.versions.versions():
-            manifest = self.versions.manifest(v)
-            if manifest is not None:
-                keep.update(r.sha256 for r in manifest.all_chunk_refs())
-        for f in files:
-            for ref in f.chunks:
-                if ref.sha256 not in keep:
-                    self.chunks.discard(ref.sha256)
+    def _trusted(self) -> PublicKey:
+        assert self.trust.key is not None  # heads are only acted on once a key is pinned
+        return self.trust.key
 
     # -- sources ---------------------------------------------------------------------------------
     async def _refresh_cards(self) -> None:

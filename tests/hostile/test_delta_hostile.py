@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
-from helpers.swarm import LocalSwarm, http_json, wait_until
+from helpers.swarm import LocalSwarm, http_json
 
 from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, Publisher, delta_file_name
 from echo2swarm.policy.delta import encode_delta, tensor_sha256
