@@ -60,14 +60,15 @@ bf16 values changed; dense 138.56 MB), 2-core VM under load:
     order-0 entropy of gaps + values: index / exponent order     1269080 / 1073676 (no table)
 
 So: differences beat XOR words (a one-ulp step is +-1, 1 bit of sign, where its XOR is a run of
-trailing ones) and new values (8+ bits); byte planes put the all-but-always-zero high bytes together;
-gaps beat a bitmap below ~10 % changed; visiting items by the base's exponent (the decoder knows
-it) cuts the positions' entropy from 7.4 to 5.0 bits per change, measured, the largest single gain;
-zstd level 1 is as small as 3 and 9 within 2 % and the fastest (19 saves 3 % at 3.4x the time);
-separate frames per stream or per tensor gain nothing. The whole delta is within 3 % of the
-order-0 entropy of its gaps and values. At lr 1e-5 (10 % changed) the same format gives 0.78 bytes
-per changed value. Encode and decode are numpy throughout: one stable argsort of uint8 keys per run
-of 2^20 items dominates (~0.5-0.9 s each way for 69M values on this loaded 2-core VM).
+trailing ones) and new values (8+ bits); byte planes put the all-but-always-zero high bytes
+together; gaps beat a bitmap at 1.6 % and at 10 % changed (a bitmap won only at 24 %, in index
+order); visiting items by the base's exponent (the decoder knows it) cuts the positions' entropy
+from 7.4 to 5.0 bits per change, measured, the largest single gain; zstd level 1 is within 2-3 %
+of levels 3 and 9 and the fastest (19 saves 3 % at 3.4x the time, 9 % at 8x at lr 1e-5); separate
+frames per stream or per tensor gain nothing. The whole delta is within 3 % of the order-0 entropy
+of its gaps and values. At lr 1e-5 (10 % changed) the same format gives 0.78 bytes per changed
+value. Encode and decode are numpy throughout: one stable argsort of uint8 keys per run of 2^20
+items dominates at low densities (~0.5-0.9 s each way for 69M values on this loaded 2-core VM).
 
 Pure: no network, no disk, no per-item Python loops (numpy throughout). Every length is bounded by
 what the base tensors say: the frame must declare its content size, at most `max_delta_bytes(base)`,
