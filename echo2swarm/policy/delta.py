@@ -131,6 +131,8 @@ def encode_varints(values: np.ndarray) -> np.ndarray:
     values = np.asarray(values, dtype=np.uint64)
     if not values.size:
         return np.zeros(0, np.uint8)
+    if values.max() < 0x80:  # every gap one byte: the common case at any density above 1 %
+        return values.astype(np.uint8)
     lengths = np.searchsorted(_VARINT_LIMITS, values, side="right").astype(np.int64) + 1
     ends = np.cumsum(lengths)
     starts = ends - lengths
