@@ -102,6 +102,7 @@ _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MAX_VARINT = 9  # 63 bits: any gap within a tensor of fewer than 2^63 items
 _VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)  # len(v) = 1 + #limits <= v
 
+
 class DeltaError(ValueError):
     """A delta that must not be applied. `reason` is a short counter label."""
 
@@ -152,7 +153,8 @@ def decode_varints(buf: np.ndarray, count: int, max_bytes: int | None = None) ->
     longer than 9 bytes or not in its shortest form."""
     if count == 0:
         return np.zeros(0, np.uint64), 0
-    window = buf[: min(count * _MAX_VARINT, count * _MAX_VARINT if max_bytes is None else max_bytes)]
+    limit = count * _MAX_VARINT if max_bytes is None else min(max_bytes, count * _MAX_VARINT)
+    window = buf[:limit]
     ends = np.flatnonzero(window < 0x80)
     if ends.size < count:
         raise DeltaError("malformed", f"the positions stream ends after {ends.size} of {count} varints "
