@@ -37,13 +37,19 @@ def peers_table(view: dict[str, Any]) -> Any:
         )
     notes = [n for p in view["peers"] for n in p.get("versions") or []]
     if notes:  # the learner's newest versions: keyframes and deltas, with what a delta saves
-        table.caption = "versions: " + "; ".join(
-            f"v{n['version']} {n['kind']} {format_bytes(n['dense_bytes'])}"
-            + (f", delta {format_bytes(n['delta_bytes'])} ({n['dense_bytes'] / max(1, n['delta_bytes']):.0f}x)"
-               if n.get("delta_bytes") is not None else "")
-            for n in notes[-4:])
+        table.caption = "versions: " + "; ".join(_version_note(n) for n in notes[-4:])
         table.caption_justify = "left"
     return table
+
+
+def _version_note(n: dict[str, Any]) -> str:
+    """`v12 delta 25.2 KiB (dense 592.2 KiB, 23x)` or `v11 dense 592.2 KiB`."""
+    from echo2swarm.config.units import format_bytes
+
+    dense, delta = n["dense_bytes"], n.get("delta_bytes")
+    if n["kind"] == "delta" and delta is not None:
+        return f"v{n['version']} delta {format_bytes(delta)} (dense {format_bytes(dense)}, {dense / max(1, delta):.0f}x)"
+    return f"v{n['version']} dense {format_bytes(dense)}"
 
 
 def _state(peer: dict[str, Any]) -> str:
