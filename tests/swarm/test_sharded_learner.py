@@ -99,3 +99,82 @@ def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_mo
     assert (state / "run" / "checkpoints" / "step-00000090" / "state" / ".metadata").is_file()
     for p in peers:  # they hold the last version the two ranks published
         assert http_json(p.info["chunk_url"] + "/v1/info")["version"] >= 90
+
+
+def _wait_checkpoint(state: Path, step: int, learner: DaemonProcess) -> None:
+    path = state / "run" / "checkpoints" / f"step-{step:08d}"
+
+    def written() -> bool:
+        assert learner.proc is not None and learner.proc.poll() is None, learner.log_tail(60)
+        return path.is_dir()
+
+    wait_until(written, 300, interval=0.2, what=f"the step-{step} checkpoint")
+
+
+def _stops_whole(learner: ShardedLearner, tree: set[int], victim: int) -> None:
+    """SIGKILL `victim` (a rank): torchrun stops the other rank and exits, and no rank is left."""
+    os.kill(victim, signal.SIGKILL)
+    assert learner.proc is not None
+    learner.proc.wait(90)  # torchrun: a rank failed, the rest were stopped (SIGTERM, then SIGKILL)
+    assert learner.proc.returncode != 0
+    wait_until(lambda: not any(pid_alive(p) for p in tree), 60, what="every rank and its children to exit")
+
+
+def test_a_killed_rank_stops_the_learner_which_resumes_with_one_and_two_ranks(
+    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+) -> None:
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=40, checkpoint_every=10)
+    local_swarm.bootstrap()
+    state = tmp_path / "learner"
+    learner = _start_sharded(local_swarm, "learner-w2", config, 2, state)
+    trust = Path(f"{policy_key}.pub")
+    peers = [local_swarm.rollout(f"rollout-{i}", trust=trust) for i in (1, 2)]
+    for d in (learner, *peers):
+        local_swarm.ready(d, timeout=180)
+    pids = [p.pid for p in peers]
+
+    # 1. W=2, rank 1 (a training-only rank) killed after the step-10 checkpoint.
+    _wait_checkpoint(state, 10, learner)
+    rank0, rank1 = learner.ranks()
+    _stops_whole(learner, descendants(learner.pid), rank1)
+    records = read_metrics(_metrics(state))
+    published, seen = max(r["published_version"] for r in records), len(records)
+
+    # 2. One process resumes from the W=2 checkpoint; killed after step 20's.
+    single = local_swarm.start("learner-w1", "--config", str(config), state_dir=state)
+    local_swarm.ready(single, timeout=180)
+    _wait_checkpoint(state, 20, single)
+    single.kill()
+    records = read_metrics(_metrics(state))
+    resumed = records[seen:]
+    assert resumed[0]["step"] == 11, "one process resumes after the two ranks' checkpoint"
+    assert min(r["version"] for r in resumed) > published, "versions continue strictly upward"
+    published, seen = max(r["published_version"] for r in records), len(records)
+
+    # 3. Two ranks resume from the single process's checkpoint; rank 0 (the daemon) killed after step 30's.
+    learner = _start_sharded(local_swarm, "learner-w2-again", config, 2, state)
+    local_swarm.ready(learner, timeout=180)
+    _wait_checkpoint(state, 30, learner)
+    rank0, rank1 = learner.ranks()
+    tree = descendants(learner.pid)
+    p2pd = set(child_pids(rank0))  # a SIGKILLed daemon cannot stop its p2pd (as with one process)
+    local_swarm._children.update(p2pd)
+    _stops_whole(learner, tree - p2pd, rank0)
+    records = read_metrics(_metrics(state))
+    assert records[seen]["step"] == 21, "two ranks resume after the single process's checkpoint"
+    assert min(r["version"] for r in records[seen:]) > published
+    published, seen = max(r["published_version"] for r in records), len(records)
+
+    # 4. Two ranks again: resume at step 31 and finish.
+    final = _start_sharded(local_swarm, "learner-w2-last", config, 2, state)
+    local_swarm.ready(final, timeout=180)
+    assert final.proc is not None
+    final.proc.wait(300)
+    assert final.proc.returncode == 0, final.log_tail(60)
+    records = read_metrics(_metrics(state))
+    assert [r["step"] for r in records[seen:]] == list(range(31, 41))
+    assert min(r["version"] for r in records[seen:]) > published
+    assert (state / "run" / "final" / "model.safetensors").is_file()
+    assert [p.pid for p in peers] == pids and all(p.running() for p in peers), "rollout peers stayed"
+    for p in peers:  # and reattached: they hold a version of the last run
+        assert http_json(p.info["chunk_url"] + "/v1/info")["version"] > published
