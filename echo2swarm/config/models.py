@@ -48,7 +48,8 @@ class OverlayConfig(StrictModel):
         None, description="Private key file for a persistent peer id; created if missing. None: a fresh id per start."
     )
     client_mode: bool = Field(
-        False, description="Do not accept incoming DHT connections (peers behind NAT or firewalls)."
+        False, description="Do not accept incoming DHT connections. False: decided at start, client mode when an "
+        "initial peer's dial-back probe reached none of our ports (behind NAT or a firewall).",
     )
     use_relay: bool = Field(True, description="Allow connections through libp2p circuit relays.")
     use_auto_relay: bool = Field(

@@ -113,6 +113,32 @@ def p2pd_flags(config: OverlayConfig, auto_relay: bool) -> list[str]:
     return flags
 
 
+async def _nobody_dials_back(p2p: P2P, config: OverlayConfig, peer_id: str) -> bool:
+    """True when an initial peer answered the dial-back probe and reached none of our ports (behind NAT).
+
+    Decided before the DHT node exists, since hivemind fixes its client mode at creation; no answer
+    (an older peer, a timeout) keeps the server mode asked for.
+    """
+    from types import SimpleNamespace
+
+    from echo2swarm.overlay.addresses import classify, tcp_port
+    from echo2swarm.overlay.reachability import peer_id_of, probe
+
+    try:
+        _, addrs = await asyncio.wait_for(p2p._client.identify(), config.dht_timeout_s)
+        ports = [p for p in dict.fromkeys(tcp_port(str(m)) for m in addrs if classify(str(m)) != "circuit") if p]
+        targets = [t for t in dict.fromkeys(peer_id_of(m) for m in [*config.initial_peers, *config.relays]) if t]
+        shim = SimpleNamespace(p2p=p2p, peer_id=peer_id, config=config)
+        result = await asyncio.wait_for(probe(shim, targets[:2], ports, None), 2 * config.dht_timeout_s + 10)  # type: ignore[arg-type]
+    except Exception as e:  # the probe is advice: never a reason not to start
+        logger.debug("dial-back probe before the DHT node: %s", e)
+        return False
+    if result.reply is not None and not result.reply.reached:
+        logger.info("nobody could dial us back (seen as %s): the DHT node runs in client mode", result.reply.observed)
+        return True
+    return False
+
+
 def _p2p_class(flags: list[str]) -> type[P2P]:
     """hivemind's P2P, its p2pd started with `flags` added."""
 
@@ -229,6 +255,8 @@ class Overlay:
                     identity_path.unlink(missing_ok=True)
             if p2p.peer_id.to_base58() != key.peer_id:
                 raise BootstrapError(f"p2pd runs as {p2p.peer_id} but the identity key is {key.peer_id}")
+            if not client and config.initial_peers and await _nobody_dials_back(p2p, config, key.peer_id):
+                client = True  # others could not reach our DHT node: do not ask them to route to it
             node = await asyncio.wait_for(
                 DHTNode.create(
                     p2p=p2p,

@@ -104,6 +104,7 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
             assert reach["maddrs"] and all("/p2p-circuit" in m for m in reach["maddrs"]), reach
             assert reach["chunk_url_reachable"] is False, "the home's chunk server must not be reachable from outside"
             assert shares[name] >= 0.25, f"{name} delivered {shares[name]:.0%} of the groups"
+            assert "the DHT node runs in client mode" in peers[name].log_path.read_text(), "NAT'd: a DHT client"
         assert sum(across.values()) > 0, f"no chunk went between the two homes: {served}"
         assert worst_gap <= LEASE_TIMEOUT_S + 3, f"a step waited {worst_gap:.1f} s after the relay died"
 
