@@ -12,9 +12,11 @@ the CPU, NCCL + gloo on CUDA; W = 1 is the plain single-process GRPOTrainer, `--
 W = 1 through the sharded trainer) that train `--warmup` steps (AdamW state created), then
 `--steps` measured steps on a synthetic batch (random tokens, verification off):
 
-- peak memory per rank over the measured steps: CUDA `max_memory_allocated`; on the CPU the peak
-  resident set (VmHWM, reset after the warm-up) and `trainer`: that peak less the process's
-  resident set before the model was built (Python, torch, the batch: the same at every W);
+- peak memory per rank over the measured steps: CUDA `max_memory_allocated`; on the CPU `trainer`:
+  the peak anonymous resident set (RssAnon, sampled every 5 ms: tensors and heap, not libtorch's
+  mapped code) less its value before the model was built (Python, torch, the batch: the same at
+  every W), and the peak resident set (VmHWM, reset after the warm-up) for reference;
+- `state`: the bytes of the rank's own parameters, gradients and AdamW moments (exact);
 - median step seconds.
 
 Ratios W / W=1 are printed in the same run. `bytes/param` is each rank's measured trainer memory
@@ -39,6 +41,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,29 @@ def rss_bytes(field: str) -> int:
     return 0
 
 
+class AnonPeak:
+    """The largest anonymous resident set (RssAnon: heap and tensors, not the mapped code of
+    libtorch) seen while running, sampled every `period_s` on a thread."""
+
+    def __init__(self, period_s: float = 0.005):
+        self.period_s, self.peak = period_s, rss_bytes("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, rss_bytes("RssAnon"))
+
+    def __enter__(self) -> "AnonPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes("RssAnon"))
+
+
 def reset_peak_rss() -> None:
     """Release freed heap to the OS, then reset VmHWM to the current resident set (Linux)."""
     gc.collect()
@@ -88,6 +114,23 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def state_bytes(trainer: Any) -> int:
+    """Bytes of this rank's own parameters, gradients and AdamW state (a DTensor's local shard)."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in trainer.model.parameters():
+        total += local(p).numel() * local(p).element_size()
+        if p.grad is not None:
+            total += local(p.grad).numel() * local(p.grad).element_size()
+    for state in trainer.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += local(value).numel() * local(value).element_size()
+    return total
 
 
 def synthetic_groups(vocab: int, args: argparse.Namespace) -> list[Group]:
@@ -114,6 +157,10 @@ def rank_main(rank: int, world: int, sharded: bool, port: int, model_dir: str, a
         torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # Imported before the baseline at every W: modules are not what the ranks split.
+    import torch.distributed.checkpoint  # noqa: F401
+
+    from echo2swarm.learner.distributed import ShardedTrainer, init_ranks
     from echo2swarm.learner.trainer import GRPOTrainer
 
     config = TrainConfig(device=args.device, lr=1e-5, group_size=args.group_size, max_new_tokens=args.completion_len,
@@ -122,10 +169,8 @@ def rank_main(rank: int, world: int, sharded: bool, port: int, model_dir: str, a
                          activation_checkpointing=args.activation_checkpointing, threads=args.threads)
     unverified = VerifyConfig(enabled=False)
     groups = synthetic_groups(int(args.vocab), args)
-    baseline = rss_bytes("VmRSS")
+    baseline, baseline_anon = rss_bytes("VmRSS"), rss_bytes("RssAnon")
     if sharded:
-        from echo2swarm.learner.distributed import ShardedTrainer, init_ranks
-
         trainer: Any = ShardedTrainer(Path(model_dir), config, ranks=init_ranks(args.device), verify=unverified)
     else:
         trainer = GRPOTrainer(Path(model_dir), config, verify=unverified)
@@ -142,16 +187,22 @@ def rank_main(rank: int, world: int, sharded: bool, port: int, model_dir: str, a
             torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
+    built = rss_bytes("VmRSS")
     for _ in range(args.warmup):
         run_step()
+    warm = rss_bytes("VmRSS")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         cuda_base = torch.cuda.memory_allocated(device)
     reset_peak_rss()
-    times = [run_step() for _ in range(args.steps)]
+    with AnonPeak() as anon:
+        times = [run_step() for _ in range(args.steps)]
     row: dict[str, Any] = {
         "rank": rank, "step_s": statistics.median(times),
-        "peak_rss_gib": rss_bytes("VmHWM") / GIB, "trainer_gib": (rss_bytes("VmHWM") - baseline) / GIB,
+        "peak_rss_gib": rss_bytes("VmHWM") / GIB, "trainer_gib": (anon.peak - baseline_anon) / GIB,
+        "rss_over_baseline_gib": (rss_bytes("VmHWM") - baseline) / GIB,
+        "state_gib": state_bytes(trainer) / GIB, "built_gib": (built - baseline) / GIB,
+        "warm_gib": (warm - baseline) / GIB, "baseline_gib": baseline / GIB,
     }
     if cuda:
         row.update(peak_gib=torch.cuda.max_memory_allocated(device) / GIB, resident_gib=cuda_base / GIB,
@@ -196,6 +247,7 @@ def measure(world: int, sharded: bool, model_dir: Path, args: argparse.Namespace
     rows.sort(key=lambda r: r["rank"])
     worst = max(rows, key=lambda r: r["trainer_gib"])
     return {"world": world, "sharded": sharded, "step_s": max(r["step_s"] for r in rows),
+            "state_gib": max(r["state_gib"] for r in rows),
             "trainer_gib": worst["trainer_gib"], "peak_rss_gib": max(r["peak_rss_gib"] for r in rows),
             "peak_gib": worst.get("peak_gib"), "device_name": rows[0].get("device_name"), "ranks": rows}
 
@@ -254,6 +306,7 @@ def main() -> None:
     for r in runs:
         r["bytes_per_param"] = r["trainer_gib"] * GIB / params
         r["memory_ratio"] = r["trainer_gib"] / base["trainer_gib"]
+        r["state_ratio"] = r["state_gib"] / base["state_gib"]
         r["rss_ratio"] = r["peak_rss_gib"] / base["peak_rss_gib"]
         r["time_ratio"] = r["step_s"] / base["step_s"]
         fits = [(name, qwen3_params(*shape)) for name, shape in QWEN3_SHAPES.items()
@@ -278,12 +331,19 @@ def main() -> None:
           f"{args.ppo_epochs}x{args.minibatches} updates a step, micro-batch {args.micro_batch or '-'}; "
           f"median of {args.steps} steps after {args.warmup}")
     memory = "peak GiB" if args.device != "cpu" else "trainer GiB"
-    print(f"{'W':>3} {'trainer':<8}{'step s':>9}{memory:>13}{'peak RSS GiB':>14}{'B/param':>9}"
-          f"{'mem xW1':>9}{'time xW1':>10}  largest Qwen3 in {args.budget_gib:g} GiB/rank")
+    print(f"{'W':>3} {'trainer':<8}{'step s':>9}{memory:>13}{'peak RSS GiB':>14}{'state GiB':>11}{'B/param':>9}"
+          f"{'mem xW1':>9}{'state xW1':>11}{'time xW1':>10}  largest Qwen3 in {args.budget_gib:g} GiB/rank")
     for r in runs:
         print(f"{r['world']:>3} {'fsdp2' if r['sharded'] else 'plain':<8}{r['step_s']:>9.3f}{r['trainer_gib']:>13.3f}"
-              f"{r['peak_rss_gib']:>14.3f}{r['bytes_per_param']:>9.1f}{r['memory_ratio']:>9.2f}{r['time_ratio']:>10.2f}"
+              f"{r['peak_rss_gib']:>14.3f}{r['state_gib']:>11.3f}{r['bytes_per_param']:>9.1f}{r['memory_ratio']:>9.2f}"
+              f"{r['state_ratio']:>11.2f}{r['time_ratio']:>10.2f}"
               f"  {r['budget_largest_qwen3'] or 'none'} (<= {r['budget_max_params'] / 1e9:.1f}B params)")
+    print("per rank (GiB over the process's resident set before the model was built):")
+    for r in runs:
+        for row in r["ranks"]:
+            print(f"  W={r['world']} {'fsdp2' if r['sharded'] else 'plain'} rank {row['rank']}: built "
+                  f"{row['built_gib']:.3f}, after warm-up {row['warm_gib']:.3f}, peak in steps {row['trainer_gib']:.3f}"
+                  f", params+grads+AdamW {row['state_gib']:.3f} (process before the model {row['baseline_gib']:.3f})")
 
 
 if __name__ == "__main__":
