@@ -22,8 +22,8 @@ def peers_table(view: dict[str, Any]) -> Any:
                   title_justify="left")
     for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("rollouts/s", "right"),
                             ("version", "right"), ("state", "left"), ("activation", "left"), ("arrival", "right"),
-                            ("fetch", "left"),
-                            ("upload cap", "right"), ("last seen", "right")):
+                            ("fetch", "left"), ("reach", "left"),
+                            ("uplink", "right"), ("last seen", "right")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for p in view["peers"]:
         table.add_row(
@@ -32,7 +32,8 @@ def peers_table(view: dict[str, Any]) -> Any:
             "-" if p["version"] is None else str(p["version"]), _state(p), p.get("activation") or "-",
             "-" if p.get("arrival_s") is None else f"{p['arrival_s']:.2f}s",
             "-" if p.get("fetch_path") is None else f"{p['fetch_path']} {format_bytes(p.get('fetch_bytes') or 0)}",
-            "-" if p.get("upload_bps") is None else f"{format_bytes(p['upload_bps'])}/s",
+            p.get("reachability") or "-",
+            _uplink(p, format_bytes),
             f"{p['last_seen']:.0f}s ago",
         )
     notes = [n for p in view["peers"] for n in p.get("versions") or []]
@@ -40,6 +41,12 @@ def peers_table(view: dict[str, Any]) -> Any:
         table.caption = "versions: " + "; ".join(_version_note(n) for n in notes[-4:])
         table.caption_justify = "left"
     return table
+
+
+def _uplink(p: dict[str, Any], format_bytes: Any) -> str:
+    """Measured upload rate, and the cap the peer set: "1.2 MiB/s", "- (cap 2 MiB/s)", "-"."""
+    measured = "-" if p.get("uplink_bps") is None else f"{format_bytes(p['uplink_bps'])}/s"
+    return measured if p.get("upload_bps") is None else f"{measured} (cap {format_bytes(p['upload_bps'])}/s)"
 
 
 def _version_note(n: dict[str, Any]) -> str:
@@ -68,8 +75,8 @@ def _state(peer: dict[str, Any]) -> str:
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
 def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
-    """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, fetch path, upload cap,
-    last seen; under the table, the learner's newest versions (dense or delta, and their bytes).
+    """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, fetch path,
+    reachability, uplink (measured, and the cap set), last seen; under the table, the learner's newest versions (dense or delta, and their bytes).
 
     \b
     echo2swarm peers --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3...

@@ -87,13 +87,16 @@ SERVER = Section(
                                             "Connections closed at accept: past twice a connection cap.")),
         "p2p_refused": _one(counter("server_p2p_refused_total",
                                     "libp2p chunk requests refused (also counted by reason in server_refused_total).")),
+        "uplink_bps": _one(gauge("server_uplink_bytes_per_second", "Upload bytes/s this daemon's uploads sustained "
+                                 "while busy (measured; absent until measured).")),
     },
     prefixes={
         "open_": gauge("server_budget_in_use", "Units of each chunk-server budget in use now "
                        "(connections, streams, control, waiting, uploads).", "budget"),
         "refused_": SERVER_REFUSED,
     },
-    ignore=frozenset({"refused_busy", "refused_per_client"}),  # the 503s and 429s among the reasons
+    # the 503s and 429s among the reasons; the busy windows behind uplink_bps (a list)
+    ignore=frozenset({"refused_busy", "refused_per_client", "uplink_windows"}),
 )
 
 # -- the policy follower (rollout and relay peers) ---------------------------------------------

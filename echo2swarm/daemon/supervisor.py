@@ -91,7 +91,6 @@ class Daemon:
         self.dialback: DialbackService | None = None
         self.p2p_served_to: Any = None  # policy.p2p.ServedTo once the libp2p chunk service runs
 
-
     # -- records -------------------------------------------------------------------------------
     def card(self, state: str | None = None) -> PeerCard:
         assert self.ctx is not None and self.service is not None
@@ -108,6 +107,7 @@ class Daemon:
             chunk_url=self.reach.card_chunk_url(self.chunk_url) if self.reach is not None else self.chunk_url,
             reachability=self.reach.state if self.reach is not None else None,
             upload_bps=self.config.upload_limit,
+            uplink_bps=self.chunk_service.uplink.estimate() if self.chunk_service is not None else None,
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
             fetching=fields.fetching,
             arrivals=[Arrival(version=v, seconds=round(t, 3), path=fields.fetch_paths.get(v, (None, None))[0],
@@ -132,6 +132,8 @@ class Daemon:
         stats = dict(self.service.stats())
         if self.chunk_service is not None:
             stats["server"] = dict(self.chunk_service.stats)
+            stats["server"]["uplink_bps"] = self.chunk_service.uplink.estimate()
+            stats["server"]["uplink_windows"] = [round(r) for r in self.chunk_service.uplink.rates]
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         return {
             "peer_id": self.ctx.overlay.peer_id,

@@ -15,8 +15,8 @@ the others are counted (`unreported`). One whose card says it is fetching v (or 
 for up to REPORT_WAIT_MAX_S. A version about to leave the KEEP_PLANS window is settled the same way.
 
 Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_cards` cards, and a
-plan puts the followers seen doing work here (leases, submissions) first, in the order their
-upload caps give, and at most MAX_UNPROVEN others after them, at the tail of every chain, where
+plan puts the followers seen doing work here (leases, submissions) first, in the order of their
+uplinks (`planned_upload`: measured, within the cap; self-reported like every card field), and at most MAX_UNPROVEN others after them, at the tail of every chain, where
 a card that leads nowhere (anyone can sign cards with fresh keys) holds up no proven peer.
 """
 
@@ -42,6 +42,15 @@ REPORT_WAIT_S = 30.0  # a receiver silent about v this long after its publish...
 REPORT_WAIT_FACTOR = 3.0  # ...and this many times the slowest reported arrival of v is left out of T_bcast(v)
 REPORT_WAIT_MAX_S = 600.0  # one whose card says it is fetching v (or newer) is waited for this long at most
 
+
+
+def planned_upload(card: PeerCard) -> int | None:
+    """The upload bytes/s a plan counts on for a peer: what its uploads were measured to sustain
+    (`uplink_bps`), never above its cap (`upload_bps`); its cap alone while unmeasured (None: uncapped,
+    planned as fastest, so a newcomer is tried early in a chain and measured there)."""
+    if card.uplink_bps is None:
+        return card.upload_bps
+    return card.uplink_bps if card.upload_bps is None else min(card.upload_bps, card.uplink_bps)
 
 class BroadcastTracker:
     def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float,
@@ -87,14 +96,15 @@ class BroadcastTracker:
         return data
 
     def receivers(self) -> list[tuple[str, int | None]]:
-        """(peer id, upload cap) to plan over: proven followers with their caps, then a few others as the slowest."""
+        """(peer id, upload bytes/s) to plan over: proven followers with their uplinks (`planned_upload`),
+        then a few others as the slowest."""
         worked_fn = getattr(self.overlay, "worked", None)  # overlays without work tracking (test doubles): none proven
         worked = worked_fn() if worked_fn is not None else set()
         followers = self.followers()
-        proven = [(c.peer_id, c.upload_bps) for c in followers if c.peer_id in worked]
+        proven = [(c.peer_id, planned_upload(c)) for c in followers if c.peer_id in worked]
         others = sorted((c for c in followers if c.peer_id not in worked), key=lambda c: -c.updated_ms)[:MAX_UNPROVEN]
-        if not proven:  # nobody to protect: the others keep their caps
-            return [(c.peer_id, c.upload_bps) for c in others]
+        if not proven:  # nobody to protect: the others keep their uplinks
+            return [(c.peer_id, planned_upload(c)) for c in others]
         # A cap of 0 sorts after every proven peer (plan_chains orders uncapped, then fastest first).
         return proven + [(c.peer_id, 0) for c in others]
 

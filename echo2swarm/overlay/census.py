@@ -31,6 +31,7 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             # rollout peers the learner keeps on standby (cost-aware activation) get no leases
             "activation": None if c.active is None else ("active" if c.active else "standby"),
             "upload_bps": c.upload_bps,
+            "uplink_bps": c.uplink_bps,  # measured: what its uploads sustained (policy/uplink.py)
             "fetching": c.fetching,
             # how long the newest version this peer installed took to arrive (head seen -> installed)
             "arrival_s": max(c.arrivals, key=lambda a: a.version).seconds if c.arrivals else None,

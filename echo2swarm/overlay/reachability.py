@@ -29,15 +29,31 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import aiohttp
 
 from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay.addresses import classify, ip_of, tcp_port
-from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.rpc import RpcError, call_unary, rpc_name, serve_unary
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.reach import MAX_PROBE_PORTS, DialbackReply, DialbackRequest, Reachability
+
+
+class Overlay(Protocol):
+    """What the probes use of an overlay (overlay/node.py's Overlay; node.py imports this module,
+    so the type is structural here rather than imported)."""
+
+    config: OverlayConfig
+    peer_id: str
+    p2p: Any
+
+    async def listen_maddrs(self) -> list[str]: ...
+
+    def public_peers(self) -> list[str]: ...
+
+    async def get_cards(self, *args: Any, **kwargs: Any) -> Any: ...
+
 
 logger = get_logger(__name__)
 MIN_INTERVAL_S = 5.0   # per caller

@@ -54,6 +54,7 @@ from echo2swarm.policy.budgets import Budget, Refused
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.policy.uplink import UplinkMeter
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -89,6 +90,7 @@ class ChunkService:
         self.control = Budget("control", c.control_slots, c.control_slots_per_client, stats)
         self.waiting = Budget("waiting", c.max_waiting, c.max_waiting_per_client, stats)
         self.uploads = Budget("uploads", c.upload_slots, c.upload_slots_per_client, stats)
+        self.uplink = UplinkMeter()  # what our uploads sustain: goes into the card and the plans
 
     def count(self, refusal: Refused) -> None:
         """Count a refusal answered: by reason, and in `refused_busy` (503) or `refused_per_client` (429)."""
@@ -163,17 +165,19 @@ class ChunkService:
         sent = 0
         size = os.fstat(f.fileno()).st_size
         try:
-            while sent < size:
-                n = min(WRITE_BLOCK, size - sent)
-                await self.limiter.take(n)
-                if sendfile is not None:
-                    await sendfile(f, sent, n)
-                else:
-                    block = f.read(n)
-                    if not block:
-                        break
-                    await write(block)
-                sent += n
+            with self.uplink.transfer():
+                while sent < size:
+                    n = min(WRITE_BLOCK, size - sent)
+                    await self.limiter.take(n)
+                    if sendfile is not None:
+                        await sendfile(f, sent, n)
+                    else:
+                        block = f.read(n)
+                        if not block:
+                            break
+                        await write(block)
+                    sent += n
+                    self.uplink.sent(n)
         finally:
             self.stats["bytes_served"] += sent
         self.stats["chunks_served"] += 1

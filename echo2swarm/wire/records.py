@@ -103,6 +103,9 @@ class PeerCard(BaseModel):
         None, description="how others reach this peer (overlay/reachability.py); None: not measured (older peers)"
     )
     upload_bps: int | None = Field(None, ge=0, le=10**12, description="upload cap in bytes/s; None: unlimited")
+    uplink_bps: int | None = Field(
+        None, ge=0, le=10**12, description="measured upload bytes/s sustained while busy (policy/uplink.py); None: not yet"
+    )
     held: list[Annotated[int, Field(ge=1, le=MAX_VERSION)]] = Field(
         default_factory=list, max_length=32, description="complete versions this peer serves"
     )

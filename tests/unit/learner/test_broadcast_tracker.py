@@ -125,3 +125,27 @@ def test_a_banned_peer_is_never_planned_as_a_receiver_or_a_parent() -> None:
     assert {peer for peer, _ in tracker.receivers()} == {HONEST}
     tracker.plan(7)
     assert tracker._receivers[7] == {HONEST}
+
+
+def test_plans_order_peers_by_measured_uplink_within_their_caps() -> None:
+    from echo2swarm.learner.broadcast_tracker import planned_upload
+
+    def up(cap: int | None, measured: int | None) -> PeerCard:
+        return card(HONEST, {}).model_copy(update={"upload_bps": cap, "uplink_bps": measured})
+
+    assert planned_upload(up(None, None)) is None              # unmeasured, uncapped: planned as fastest
+    assert planned_upload(up(8_000_000, None)) == 8_000_000    # unmeasured: its cap
+    assert planned_upload(up(None, 2_500_000)) == 2_500_000    # an uncapped home line measured at 20 Mbit/s
+    assert planned_upload(up(1_000_000, 2_500_000)) == 1_000_000  # never above the cap it set
+
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, clock=Clock())  # type: ignore[arg-type]
+    # Neither capped; the card that says HONEST's uplink carried 4x SLOW's puts HONEST first in the chain.
+    tracker.observe([card(SLOW, {}).model_copy(update={"uplink_bps": 1_000_000}),
+                     card(HONEST, {}).model_copy(update={"uplink_bps": 4_000_000})])
+    assert dict(tracker.receivers()) == {HONEST: 4_000_000, SLOW: 1_000_000}
+    plan = tracker.plan(3)
+    assert plan is not None
+    import json
+
+    chains = json.loads(plan)
+    assert HONEST in json.dumps(chains)
