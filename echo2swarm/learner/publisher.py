@@ -206,7 +206,8 @@ class Publisher:
         names = sorted(extras)
         entries = [self._add_file(name, extras[name]) for name in names if name != WEIGHTS_FILE]
         deltas: list[DeltaFile] = []
-        if primary is not None and previous is not None and len(primary) < len(dense):
+        # keyframe_every = 1 means every version dense on the wire too: no delta to offer beside it
+        if primary is not None and previous is not None and len(primary) < len(dense) and keyframe_every > 1:
             deltas.append(DeltaFile(base=BaseRef(version=previous.version, manifest_sha256=previous.manifest_sha256),
                                     file=self._add_file(delta_file_name(previous.version), primary)))
         composite = None
