@@ -480,24 +480,13 @@ class GRPOTrainer:
         return {"grad_norm": float(grad_norm), "skipped_nonfinite": 1}
 
     def _update(self, loss: torch.Tensor, current_version: int) -> dict[str, float]:
-        """Backward, clip and step; no update (and a loud log) when the loss or gradient is not finite."""
+        """Backward, clip and step; no update (and a loud log) when the loss or gradient is not finite.
+        A NaN or inf would reach every weight through the gradient clip and AdamW."""
         self.optimizer.zero_grad(set_to_none=True)
-        grad_norm = torch.tensor(float("nan"))
         finite_loss = bool(torch.isfinite(loss.detach()))
         if finite_loss:
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        if finite_loss and bool(torch.isfinite(grad_norm)):
-            self.optimizer.step()
-            return {"grad_norm": float(grad_norm), "skipped_nonfinite": 0}
-        # A NaN or inf here would reach every weight through clip_grad_norm_ and AdamW: no update.
-        self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_nonfinite += 1
-        logger.error(
-            "update at v%d SKIPPED: loss %s, gradient norm %s (not finite); weights and optimizer state unchanged "
-            "(%d such updates so far)", current_version, float(loss.detach()), float(grad_norm), self.skipped_nonfinite,
-        )
-        return {"grad_norm": float(grad_norm), "skipped_nonfinite": 1}
+        return self._apply_update(finite_loss, float(loss.detach()), current_version)
 
     def _idle_stats(self, verify_stats: dict[str, Any], started: float) -> dict[str, Any]:
         """Stats of a step that trained nothing (every group refused): same keys, zero values."""

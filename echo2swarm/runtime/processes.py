@@ -122,7 +122,12 @@ class DaemonProcess:
             info = json.loads((self.state_dir / "daemon.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return info if info.get("pid") == self.proc.pid else None
+        return info if self._owns(info) else None
+
+    def _owns(self, info: dict[str, Any]) -> bool:
+        """Whether a daemon.json is this process's (not one a previous run left behind)."""
+        assert self.proc is not None
+        return info.get("pid") == self.proc.pid
 
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         self.info = wait_until(self._ready, timeout, what=f"{self.name} to start")

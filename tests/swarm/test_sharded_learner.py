@@ -4,7 +4,6 @@ one rank and with two."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
-from echo2swarm.runtime.processes import DaemonProcess, ProcessFailed, child_pids, loopback_args, pid_alive
+from echo2swarm.runtime.processes import DaemonProcess, child_pids, loopback_args, pid_alive
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
@@ -34,16 +33,9 @@ class ShardedLearner(DaemonProcess):
         daemon = self.info.get("pid")
         return sorted(pids, key=lambda p: p != daemon)
 
-    def _ready(self) -> dict[str, Any] | None:
-        """As the base class, but daemon.json's pid is rank 0's, a child of torchrun."""
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise ProcessFailed(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-        try:
-            info = json.loads((self.state_dir / "daemon.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-        return info if info.get("pid") in child_pids(self.pid) else None
+    def _owns(self, info: dict[str, Any]) -> bool:
+        """daemon.json's pid is rank 0's, a child of torchrun."""
+        return info.get("pid") in child_pids(self.pid)
 
 
 def descendants(pid: int) -> set[int]:
