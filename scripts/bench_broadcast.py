@@ -455,7 +455,9 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
 
         wait_until(cards, 120, interval=1.0, what=f"{n} relay cards")
         lrn = lab.public_host("lrn", up, down)
-        before = {name: lab.uplink_bytes(name) for name in ["lrn", *(r.name for r in relays)]}
+        # the bootstrap is a public peer too: it serves circuit relays for the homes, as the public relays do
+        uplinks = ["lrn", "boot", *(r.name for r in relays), *(f"h{i}" for i in range(n_nat))]
+        before = {name: lab.uplink_bytes(name) for name in uplinks}
         learner = start(lrn, "learner", "--role", "learner", "--model", str(model), "--policy-key", str(key),
                         "--chunk-size", args.chunk_size)
         installed = [root / d.name / "versions" / "v00000001.manifest" for d in [*relays, *homes]]
@@ -473,11 +475,11 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
         if len(done) < n:
             raise RuntimeError(f"wan {mode} N={n}: only {len(done)} of {n} receivers installed v1 in {args.timeout:.0f} s")
         uploads = {name: lab.uplink_bytes(name) - b for name, b in before.items()}
-        home_up = [lab.uplink_bytes(h.name) for h in homes]
+        home_up = [uploads[h.name] for h in homes]
         return {"mode": mode, "n": n, "public": n_public, "nat": n_nat, "t_bcast_s": max(done.values()),
                 "t_first_s": min(done.values()),
                 "t_bcast_nat_s": max((t for f, t in done.items() if f.parts[-3].startswith("h")), default=None),
-                "learner_uplink_bytes": uploads["lrn"],
+                "learner_uplink_bytes": uploads["lrn"], "bootstrap_uplink_bytes": uploads["boot"],
                 "public_relay_uplink_bytes": [uploads[r.name] for r in relays],
                 "home_uplink_bytes": home_up,
                 "reachability": [swarm.info(h)["reachability"]["state"] for h in homes]}
@@ -506,11 +508,13 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
             row.update(ideal_s=ideal, ratio=row["t_bcast_s"] / ideal,
                        learner_copies=row["learner_uplink_bytes"] / model_bytes,
                        public_relay_copies=[b / model_bytes for b in row["public_relay_uplink_bytes"]],
+                       bootstrap_copies=row["bootstrap_uplink_bytes"] / model_bytes,
                        home_copies=[b / model_bytes for b in row["home_uplink_bytes"]])
             rows.append(row)
             print(f"  {mode:>9} N={n:<2} ({row['nat']} NAT) T_bcast {row['t_bcast_s']:7.2f} s ({row['ratio']:.2f}x M/B)  "
                   f"learner uplink {row['learner_copies']:.2f} M, public relay(s) "
-                  f"{', '.join(f'{c:.2f}' for c in row['public_relay_copies'])} M, homes "
+                  f"{', '.join(f'{c:.2f}' for c in row['public_relay_copies'])} M, bootstrap "
+                  f"{row['bootstrap_copies']:.2f} M, homes "
                   f"{sum(row['home_copies']):.2f} M in all", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"wan": True, "model_bytes": model_bytes, "uplink_bytes_per_s": bandwidth, "ideal_s": ideal,
@@ -519,11 +523,11 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
     print(f"\nWAN lab, M = {format_bytes(model_bytes)}, every uplink B = {args.wan_up_mbit:g} Mbit/s "
           f"(tbf), ideal M/B = {ideal:.2f} s; uplink bytes are the lab's interface counters (all traffic)")
     print(f"{'N':>3} {'NAT':>3} {'mode':>9} {'T_bcast s':>10} {'x M/B':>6} {'first s':>8} {'learner up':>11} "
-          f"{'public relay up':>16} {'homes up (sum)':>15}")
+          f"{'public relay up':>16} {'bootstrap up':>13} {'homes up (sum)':>15}")
     for r in rows:
         pub = "+".join(f"{c:.2f}" for c in r["public_relay_copies"])
         print(f"{r['n']:>3} {r['nat']:>3} {r['mode']:>9} {r['t_bcast_s']:>10.2f} {r['ratio']:>6.2f} {r['t_first_s']:>8.2f} "
-              f"{r['learner_copies']:>9.2f} M {pub:>14} M {sum(r['home_copies']):>13.2f} M")
+              f"{r['learner_copies']:>9.2f} M {pub:>14} M {r['bootstrap_copies']:>11.2f} M {sum(r['home_copies']):>13.2f} M")
     for n in receivers:
         by_mode = {r["mode"]: r for r in rows if r["n"] == n}
         if len(by_mode) == 2:
