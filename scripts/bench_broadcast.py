@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -564,6 +565,10 @@ def main() -> None:
                         help="keep the peers' state dirs on disk instead of /dev/shm (all peers then share one disk)")
     parser.add_argument("--keep", type=Path, help="run in this directory and keep the daemons' logs and state")
     args = parser.parse_args()
+    # Ctrl-C and SIGTERM unwind through the `finally`s that end the daemons and delete the WAN lab (a
+    # background job may inherit SIGINT ignored; SIGTERM would otherwise end Python without unwinding).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.delta and not args.stream:
         parser.error("--delta needs --stream V")
     if args.stream is not None and not 1 <= args.stream <= 9:
