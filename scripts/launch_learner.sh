@@ -87,5 +87,9 @@ else
   rdzv=(--rdzv-backend c10d --rdzv-endpoint "$endpoint" --rdzv-id "$rdzv_id")
 fi
 echo "sharded learner: $nnodes node(s) x $nproc rank(s)"
+# glibc serves allocations above 1 MiB by mmap, so FSDP's freed per-layer all-gather and reduce-scatter
+# buffers go back to the system instead of staying in the heap: a CPU rank's peak at W=2 is 0.53x of one
+# process's instead of 0.63x (docs/benchmarks.md, bench_learner). Host memory only; set it to override.
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"
 exec "$py" -m torch.distributed.run --nnodes "$nnodes" --nproc-per-node "$nproc" "${rdzv[@]}" --max-restarts 0 \
   --no-python "$bin" daemon --config "$config" "$@"
