@@ -159,6 +159,7 @@ class ShardedTrainer(GRPOTrainer):
         self.bf16 = config.mixed_precision == "bf16" or (config.mixed_precision == "auto"
                                                           and ranks.device.type == "cuda")
         self._lock = threading.RLock()
+        self._closed = False  # close() ran: the other ranks were told to stop, the group is gone
         self._weights_of_rank0 = weights_of
         verify = verify if verify is not None else VerifyConfig()
         if verify.enabled and verify.seed is None:  # the sample of exact checks must be the same on every rank
@@ -348,9 +349,16 @@ class ShardedTrainer(GRPOTrainer):
         return out_dir
 
     def close(self) -> None:
-        """Tell the other ranks to stop (rank 0, once training is over)."""
+        """Tell the other ranks to stop (rank 0, once training is over), then leave the process group:
+        one still alive at interpreter exit can abort the process ("terminate called without an active
+        exception" from gloo's threads), which torchrun reports as a failed rank."""
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             self._send("stop")
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # -- the other ranks -----------------------------------------------------------------------
     def serve(self) -> None:
