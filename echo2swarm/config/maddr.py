@@ -84,6 +84,11 @@ def parse_maddr(text: str) -> list[tuple[str, str | None]]:
         i += 2
     if not out or out[0][0] not in ("ip4", "ip6", "dns", "dns4", "dns6", "p2p"):
         raise MaddrError(f"{text!r}: a multiaddr starts with an address (/ip4, /ip6, /dns...)")
+    for (proto, _), nxt in zip(out, [*out[1:], ("", None)]):
+        # p2pd (go-libp2p 0.32) speaks QUIC v1 only: a bare /udp or draft-29 /quic fails when p2pd starts
+        # ("no transport for protocol"); say so here, naming the fix.
+        if proto == "udp" and nxt[0] != "quic-v1":
+            raise MaddrError(f"{text!r}: UDP is for QUIC only: write /udp/<port>/quic-v1 (draft /quic is not supported)")
     return out
 
 

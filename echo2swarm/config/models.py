@@ -38,8 +38,10 @@ class OverlayConfig(StrictModel):
     )
     new_swarm: bool = Field(False, description="Start a new swarm instead of joining one (only with no initial_peers).")
     host_maddrs: list[str] = Field(
-        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
-        description="Multiaddrs to listen on; port 0 picks a free port.",
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"],
+        description="Multiaddrs to listen on; port 0 picks a free port. QUIC (`/udp/N/quic-v1`) beside TCP is what "
+        "lets two peers behind NAT connect directly (hole punching; docs/operations.md 'Behind NAT'): leave it "
+        "out only where UDP is blocked.",
     )
     announce_maddrs: list[str] = Field(
         default_factory=list, description="Public multiaddrs to advertise instead of the listen addresses (explicit ports)."

@@ -106,6 +106,7 @@ class Daemon:
             maddrs=(self.reach.maddrs if self.reach is not None else self.maddrs)[:8],
             chunk_url=self.reach.card_chunk_url(self.chunk_url) if self.reach is not None else self.chunk_url,
             reachability=self.reach.state if self.reach is not None else None,
+            holepunch=list(self.reach.holepunch) if self.reach is not None else [],
             upload_bps=self.config.upload_limit,
             uplink_bps=self.chunk_service.uplink.estimate() if self.chunk_service is not None else None,
             held=self.ctx.versions.versions()[-32:] if self.config.role != "bootstrap" else [],
@@ -154,6 +155,7 @@ class Daemon:
         return {
             "state": reach.state, "maddrs": reach.maddrs, "listen": reach.listen, "observed": reach.observed,
             "chunk_url_reachable": reach.chunk_ok, "responder": reach.responder,
+            "holepunch": reach.holepunch, "direct": dict(reach.direct),
             "clock_skew_s": None if reach.skew_s is None else round(reach.skew_s, 3), "error": reach.last_error,
             "dialback": dict(self.dialback.stats) if self.dialback is not None else {},
         }

@@ -98,6 +98,18 @@ def classify(maddr: str) -> AddressClass:
     return "other"
 
 
+def transport(maddr: str) -> Literal["tcp", "quic"] | None:
+    """The transport a direct address dials: tcp, quic (QUIC v1), or None (circuit, websocket, garbage)."""
+    if classify(maddr) == "circuit":
+        return None
+    parts = maddr.split("/")
+    if len(parts) > 4 and parts[3] == "tcp" and (len(parts) == 5 or parts[5] == "p2p"):
+        return "tcp"
+    if len(parts) > 5 and parts[3] == "udp" and parts[5] == "quic-v1":
+        return "quic"
+    return None
+
+
 def tcp_port(maddr: str) -> int | None:
     parts = maddr.split("/")
     if len(parts) > 4 and parts[3] == "tcp" and parts[4].isdigit():

@@ -27,6 +27,7 @@ import ctypes
 import heapq
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay.dht_keys import head_key, peers_key
 from echo2swarm.overlay import rpc
+from echo2swarm.overlay.addresses import classify, ip_of
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
@@ -148,6 +150,23 @@ def _p2p_class(flags: list[str]) -> type[P2P]:
     return type("SwarmP2P", (P2P,), {"_make_process_args": staticmethod(make_args)})
 
 
+def _peer_of(maddr: str) -> str:
+    return maddr.rsplit("/p2p/", 1)[-1]
+
+
+def _is_local(ip: str | None) -> bool:
+    """Whether `ip` is one of this host's own addresses (binding to it succeeds); None (dns, ...) counts as ours."""
+    if ip is None:
+        return True
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
 def dht_time() -> float:
     return time.time()
 
@@ -224,7 +243,10 @@ class Overlay:
                 raise BootstrapError(f"malformed multiaddr {addr!r}: {e}") from None
         key, identity_path, temporary = _identity(config, key_dir)
 
-        relays = config.relays or config.initial_peers
+        # One address per relay: go-libp2p's autorelay waits for as many candidates as static relays are
+        # listed, and counts peers, so a relay listed twice (its TCP and QUIC addresses) held every slot
+        # back for its 3-minute boot delay. Connections use all the addresses p2pd knows anyway.
+        relays = list({_peer_of(a): a for a in reversed(config.relays or config.initial_peers)}.values())[::-1]
         auto_relay = config.use_relay and config.use_auto_relay and bool(relays) and not client
         p2p_kwargs: dict[str, Any] = dict(
             initial_peers=config.initial_peers or None,
@@ -321,11 +343,19 @@ class Overlay:
         """Peers whose newest card we read says they are publicly reachable (dial-back probe targets)."""
         return [p for p, state in self._reach.items() if state == "public"]
 
+    def nat_peers(self) -> dict[str, str]:
+        """Peers whose newest card we read says they are behind NAT: peer id -> relayed | private."""
+        return {p: state for p, state in self._reach.items() if state in ("relayed", "private")}
+
     async def visible_maddrs(self) -> list[str]:
+        """Our listen addresses: p2pd's, less the NAT mappings peers observed for us (behind NAT, once four
+        peers saw the same one, p2pd lists the router's address as its own; nothing here listens there)."""
         try:
-            return [str(m) for m in await self.p2p.get_visible_maddrs()]
+            addrs = [str(m) for m in await self.p2p.get_visible_maddrs()]
         except ValueError:  # client mode: no listen addresses
             return []
+        announced = set(self.config.announce_maddrs)
+        return [m for m in addrs if m in announced or classify(m) == "circuit" or _is_local(ip_of(m))]
 
     async def _store(self, key: str, subkey: str, value: dict[str, Any], ttl: float) -> bool:
         return bool(await self.node.store(key, value, dht_time() + ttl, subkey=subkey))

@@ -13,6 +13,18 @@
                         answered, an unanswered probe keeps the last verdict
        chunk URL in the card only if the chunk server answered (or could not be checked).
 
+Hole punching (behind NAT): p2pd runs DCUtR, which upgrades a relayed connection between two NAT'd
+peers to a direct one. go-libp2p starts it only once this peer knows a public address of its own,
+i.e. four distinct peers reported the same observed address (identify's ActivationThresh), so the
+observations must agree: over QUIC one UDP socket sends everything and the NAT keeps one mapping,
+which is why daemons listen on QUIC beside TCP. The tracker (a relayed peer) then
+    every announce period: p2pd's connections ─► NAT'd peers (by their cards) we hold a direct
+                           connection to: the card's `holepunch` lists those transports (seen within
+                           reachability_period_s), /v1/info lists the peers
+    none yet, at most once a reachability period: open a relayed connection to HOLEPUNCH_TRIES NAT'd
+                           peers (through their /p2p-circuit addresses) so that DCUtR runs before a
+                           broadcast plan needs the answer
+
 The DHT node's mode is not switched at run time (hivemind fixes it at creation; emptying its
 node_info broke stores): a NAT'd peer stays a DHT server that others reach through its relay.
 
@@ -34,7 +46,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.addresses import classify, ip_of, tcp_port
+from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of, tcp_port, transport
 from echo2swarm.overlay.rpc import RpcError, call_unary, rpc_name, serve_unary
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.reach import MAX_PROBE_PORTS, DialbackReply, DialbackRequest, Reachability
@@ -52,6 +64,10 @@ class Overlay(Protocol):
 
     def public_peers(self) -> list[str]: ...
 
+    def nat_peers(self) -> dict[str, str]: ...
+
+    def known_maddrs(self, peer_id: str) -> list[str]: ...
+
     async def get_cards(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
@@ -60,6 +76,7 @@ MIN_INTERVAL_S = 5.0   # per caller
 DIAL_TIMEOUT_S = 3.0
 SLOTS = 4
 MAX_CALLERS = 1024     # rate-limit memory
+HOLEPUNCH_TRIES = 2    # NAT'd peers a relayed peer connects to per reachability period until one punch is seen
 
 
 async def observed_ip(overlay: Overlay, peer_id: str) -> tuple[str | None, bool]:
@@ -205,6 +222,10 @@ class ReachabilityTracker:
         self._probed_listen: list[str] | None = None
         self._reply_state = "unknown"  # public | unreached | unknown: what the last probe found
         self._reached: set[int] = set()
+        self.holepunch: list[str] = []      # the card's field: transports of recent hole-punched connections
+        self.direct: dict[str, str] = {}    # NAT'd peer id -> transport of our direct connection to it now
+        self._punched: dict[str, float] = {}  # transport -> monotonic time a punched connection was last seen
+        self._last_punch_try = float("-inf")
 
     def targets(self) -> list[str]:
         ids = [peer_id_of(m) for m in [*self.config.initial_peers, *self.config.relays]]
@@ -222,11 +243,63 @@ class ReachabilityTracker:
         if force or due or self.listen != self._probed_listen:
             await self._probe(chunk_url)
         self._decide()
-        changed = (self.state, self.maddrs, self.chunk_ok) != before
+        before += (list(self.holepunch),)
+        await self._watch_direct()
+        changed = (self.state, self.maddrs, self.chunk_ok, self.holepunch) != before
         if changed:
-            logger.info("reachability %s; advertising %s%s", self.state, self.maddrs or "no addresses",
-                        "" if self.chunk_ok is not False else "; chunk server unreachable, serving over libp2p")
+            logger.info("reachability %s; advertising %s%s%s", self.state, self.maddrs or "no addresses",
+                        "" if self.chunk_ok is not False else "; chunk server unreachable, serving over libp2p",
+                        f"; hole punching works over {', '.join(self.holepunch)}" if self.holepunch else "")
         return changed
+
+    async def _watch_direct(self) -> None:
+        """Note direct connections to NAT'd peers (hole punched); while none, give DCUtR a relayed one to upgrade."""
+        if self.state not in ("relayed", "private"):
+            self.direct, self.holepunch = {}, []
+            return
+        nat = self.overlay.nat_peers()
+        try:
+            peers = await asyncio.wait_for(self.overlay.p2p._client.list_peers(), self.config.dht_timeout_s)
+        except Exception as e:  # p2pd busy or gone: keep what we had
+            logger.debug("list_peers: %s", e)
+            return
+        direct: dict[str, str] = {}
+        connected: set[str] = set()
+        for info in peers:
+            peer = info.peer_id.to_base58()
+            connected.add(peer)
+            if peer in nat:
+                for addr in map(str, info.addrs):
+                    kind = transport(addr)
+                    if kind is not None:
+                        direct[peer] = kind
+        now = time.monotonic()
+        for kind in direct.values():
+            self._punched[kind] = now
+        horizon = now - self.config.reachability_period_s
+        self.direct = direct
+        self.holepunch = sorted(kind for kind, seen in self._punched.items() if seen >= horizon)
+        if self.holepunch or self.state != "relayed" or now - self._last_punch_try < self.config.reachability_period_s:
+            return
+        self._last_punch_try = now
+        if not nat:  # a role that reads no cards (bootstrap): learn the NAT'd peers here
+            with contextlib.suppress(Exception):
+                await self.overlay.get_cards()
+            nat = self.overlay.nat_peers()
+        targets = [p for p, state in nat.items() if state == "relayed" and p != self.overlay.peer_id
+                   and p not in connected][:HOLEPUNCH_TRIES]
+        await asyncio.gather(*(self._connect(p) for p in targets))
+
+    async def _connect(self, peer: str) -> None:
+        from hivemind.p2p import PeerID
+
+        circuits = [m for m in self.overlay.known_maddrs(peer) if classify(m) == "circuit"]
+        try:
+            await asyncio.wait_for(self.overlay.p2p._client.connect(PeerID.from_base58(peer), dial_addrs(circuits)),
+                                   self.config.dht_timeout_s)
+            logger.debug("relayed connection to %s: DCUtR may upgrade it", peer[-8:])
+        except Exception as e:  # a stale card, a full relay: the next period tries others
+            logger.debug("could not connect to %s through its relay: %s", peer[-8:], e)
 
     def assume(self, listen: list[str]) -> None:
         """No probe finished: advertise `listen` as an unknown peer would."""
@@ -264,7 +337,9 @@ class ReachabilityTracker:
         announced = list(self.config.announce_maddrs)
         reply_state = self._reply_state
         if reply_state == "public":
-            direct = [m for m in self.listen if ip_of(m) == self.observed and tcp_port(m) in self._reached]
+            # QUIC addresses at the same IP go along unprobed (the dial-back checks TCP only); dialers try both.
+            direct = [m for m in self.listen if ip_of(m) == self.observed
+                      and (tcp_port(m) in self._reached or transport(m) == "quic")]
             self.state = "public"
             self.maddrs = announced or direct
         elif reply_state == "unreached":

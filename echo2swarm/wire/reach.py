@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 # (no public peer answered the probe).
 Reachability = Literal["public", "relayed", "private", "unknown"]
 REACHABILITY: tuple[str, ...] = ("public", "relayed", "private", "unknown")
+# Transports on which a peer behind NAT was seen holding direct (hole-punched, DCUtR) connections to other
+# NAT'd peers: the card's `holepunch` field. Empty: none seen (a public peer needs none).
+HolepunchTransport = Literal["quic", "tcp"]
+HOLEPUNCH_TRANSPORTS: tuple[str, ...] = ("quic", "tcp")
 MAX_PROBE_PORTS = 4
 Port = Annotated[int, Field(ge=1, le=65535)]
 

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
-from echo2swarm.wire.reach import Reachability
+from echo2swarm.wire.reach import HolepunchTransport, Reachability
 from echo2swarm.wire.signing import DOMAIN_CARD, DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes, float_text
 
 MAX_RECORD_BYTES = 16 * 1024
@@ -102,6 +102,10 @@ class PeerCard(BaseModel):
     reachability: Reachability | None = Field(
         None, description="how others reach this peer (overlay/reachability.py); None: not measured (older peers)"
     )
+    holepunch: list[HolepunchTransport] = Field(
+        default_factory=list, max_length=2, description="behind NAT: transports on which this peer holds direct "
+        "(hole-punched) connections to other NAT'd peers lately (overlay/reachability.py); empty: none seen"
+    )
     upload_bps: int | None = Field(None, ge=0, le=10**12, description="upload cap in bytes/s; None: unlimited")
     uplink_bps: int | None = Field(
         None, ge=0, le=10**12, description="measured upload bytes/s sustained while busy (policy/uplink.py); None: not yet"
@@ -137,6 +141,13 @@ class PeerCard(BaseModel):
     def _peer_id(cls, v: str) -> str:
         if not _PEER_ID.fullmatch(v):
             raise ValueError("peer_id must be a base58 libp2p peer id")
+        return v
+
+    @field_validator("holepunch")
+    @classmethod
+    def _transports(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("holepunch lists a transport twice")
         return v
 
     @field_validator("chunk_url")

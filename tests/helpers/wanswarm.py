@@ -22,8 +22,12 @@ from echo2swarm.runtime.processes import DaemonProcess
 from tests.helpers.wanlab import Host, WanLab
 
 
+# TCP and QUIC, as a daemon listens by default: QUIC is what lets two homes hole-punch (overlay/reachability.py).
+LAB_HOST_MADDRS = "/ip4/0.0.0.0/tcp/0,/ip4/0.0.0.0/udp/0/quic-v1"
+
+
 def lab_args(swarm: str, log_level: str = "DEBUG") -> list[str]:
-    return ["--swarm", swarm, "--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--chunk-host", "0.0.0.0",
+    return ["--swarm", swarm, "--host-maddrs", LAB_HOST_MADDRS, "--chunk-host", "0.0.0.0",
             "--announce-period", "1", "--record-ttl", "4", "--log-level", log_level]
 
 
@@ -42,15 +46,22 @@ class WanSwarm:
         return d
 
     def public_addr(self, d: DaemonProcess) -> str:
-        """The daemon's address on the lab's internet, with its peer id."""
+        """The daemon's (first) address on the lab's internet, with its peer id."""
+        return self.public_addrs(d)[0]
+
+    def public_addrs(self, d: DaemonProcess) -> list[str]:
+        """All the daemon's addresses on the lab's internet (TCP and QUIC), with its peer id.
+
+        Pass them all as initial peers: libp2p then dials QUIC first, so every public peer a home
+        joins through observes the same UDP mapping, and four such observers start hole punching."""
         host = self.hosts[d.name]
-        addr = next(m for m in d.info["maddrs"] if f"/ip4/{host.ip}/" in m)
-        return addr if "/p2p/" in addr else f"{addr}/p2p/{d.info['peer_id']}"
+        addrs = [m for m in d.info["maddrs"] if f"/ip4/{host.ip}/" in m]
+        return [m if "/p2p/" in m else f"{m}/p2p/{d.info['peer_id']}" for m in addrs]
 
     def bootstrap(self, host: Host) -> DaemonProcess:
         d = self.start(host, "bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
         d.wait_ready(60)
-        self.initial_peers = [self.public_addr(d)]
+        self.initial_peers = self.public_addrs(d)
         return d
 
     def info(self, d: DaemonProcess, timeout: float = 10) -> dict[str, Any]:

@@ -90,10 +90,15 @@ def test_host_maddr_without_transport_is_refused() -> None:
     assert "--host-maddrs" in config_error(**{"overlay.host_maddrs": ["/ip4/0.0.0.0"]})
 
 
+@pytest.mark.parametrize("addr", ["/ip4/0.0.0.0/udp/0/quic", "/ip4/0.0.0.0/udp/0"])
+def test_udp_listen_address_must_be_quic_v1(addr: str) -> None:
+    assert "/udp/<port>/quic-v1" in config_error(**{"overlay.host_maddrs": [addr]})
+
+
 def test_valid_initial_peers_and_host_maddrs_are_accepted() -> None:
     config = rollout(**{
         "overlay.initial_peers": [PEER_A, f"/dns/boot.example.org/tcp/31337/p2p/{PEER_ID}"],
-        "overlay.host_maddrs": ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/31337", "/ip4/0.0.0.0/udp/0/quic"],
+        "overlay.host_maddrs": ["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/31337", "/ip4/0.0.0.0/udp/0/quic-v1"],
     })
     assert config.overlay.initial_peers[0] == PEER_A
     assert len(config.overlay.host_maddrs) == 3
@@ -168,7 +173,7 @@ def test_precedence_defaults_toml_env_overrides(tmp_path: Path) -> None:
     assert with_flags.log_level == "DEBUG"
     assert with_flags.overlay.record_ttl_s == 40.0
     assert with_flags.overlay.announce_period_s == 5.0
-    assert with_flags.overlay.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
+    assert with_flags.overlay.host_maddrs == ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 
 
 # --- role ------------------------------------------------------------------------------------
