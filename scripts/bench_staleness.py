@@ -3,6 +3,7 @@
 
     python scripts/bench_staleness.py [--staleness 0,1,2,4,6,11] [--seeds 2] [--steps 300]
                                       [--forced 0,2,6] [--baseline 0] [--model DIR] [--png docs/bench_staleness.png]
+                                      [--jobs N] [--variant NAME='{"ppo_epochs": 1}' ...] [--seed-offset K]
 
 Every run is the demo's swarm (bootstrap, learner, 2 rollout peers on the transformers engine, separate
 processes on 127.0.0.1) training the same warmed-up tiny model (copied into each run) for the same
@@ -18,6 +19,14 @@ Modes, each over every S and seed:
 - ``old`` (``--baseline S,...``): the defaults before the staleness work (oldest-first schedule, in-flight
   (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check; with
   ``--forced``, also ``forced-old``: forced staleness with one update a step.
+
+- ``forced-NAME`` (``--variant NAME=JSON``, repeatable): forced staleness with these train fields
+  overriding today's defaults (e.g. ``--variant e1m2='{"ppo_epochs": 1, "minibatches": 2}'``): for
+  comparing trust-region settings on equal footing.
+
+``--jobs N`` runs the forced-mode runs N at a time in separate processes (one torch thread each; they
+share nothing, so results do not depend on N); swarm runs stay one at a time, since their observed
+staleness depends on timing.
 
 Printed per run: last-50-step mean reward, greedy accuracy on held-out prompts before and after,
 observed staleness (mean, share at S), groups dropped as stale, rollouts generated. Then a table
@@ -39,11 +48,31 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-OLD_DEFAULTS = {"schedule": "oldest", "minibatches": 1, "inflight_headroom": 10.0}
-OLD_OBJECTIVE = {"minibatches": 1}
+OLD_DEFAULTS = {"schedule": "oldest", "ppo_epochs": 1, "minibatches": 1, "inflight_headroom": 10.0}
+OLD_OBJECTIVE = {"ppo_epochs": 1, "minibatches": 1}
 TRAIN = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4, "threads": 1}
 LAST = 50
 MODES = ("new", "forced", "old", "forced-old")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=JSON-object`` of train fields -> (NAME, fields); the fields are checked against TrainConfig."""
+    from echo2swarm.config.rl import TrainConfig
+
+    name, sep, body = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected NAME='{{\"field\": value, ...}}'")
+    try:
+        fields = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--variant {name}: not JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"--variant {name}: expected a JSON object of train fields")
+    try:
+        TrainConfig(**{**TRAIN, **fields})
+    except Exception as exc:  # pydantic's message names the field
+        raise argparse.ArgumentTypeError(f"--variant {name}: {exc}") from None
+    return name, fields
 
 
 def learner_toml(run: Path, model: Path, key: Path, staleness: int, seed: int, steps: int,
@@ -125,7 +154,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     from echo2swarm.tasks.registry import get_task
 
     torch.set_num_threads(1)
-    config = TrainConfig(**TRAIN, staleness=max(staleness, 0), seed=seed, **overrides)
+    config = TrainConfig(**{**TRAIN, "device": "cpu", **overrides}, staleness=max(staleness, 0), seed=seed)
     # Verification checks peers; here the engine is our own, so it is off (it changes nothing trained).
     trainer = GRPOTrainer(model, config, verify=VerifyConfig(enabled=False))
     engine = TransformersEngine(model, device="cpu", threads=1)
@@ -170,6 +199,26 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     return records
 
 
+def one_run(root: Path, model: Path, mode: str, s: int, seed: int, overrides: dict[str, Any],
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One run of a mode at bound s and a seed, in a fresh copy of the model; its summary."""
+    run = root / f"{mode}-s{s}-seed{seed}"
+    shutil.rmtree(run, ignore_errors=True)
+    run_model = run / "model"
+    shutil.copytree(model, run_model)
+    t0 = time.monotonic()
+    if mode.startswith("forced"):
+        records = run_forced(run, run_model, s, seed, args.steps, overrides)
+    else:
+        records = run_swarm(run, run_model, s, seed, args.steps, overrides, args.peers, args.timeout)
+    summary = summarise(records, s)
+    summary["accuracy"] = accuracy(run / "learner" / "run" / "final")
+    summary["wall_s"] = time.monotonic() - t0
+    summary["seed"] = seed
+    shutil.rmtree(run, ignore_errors=True)
+    return summary
+
+
 def accuracy(model_dir: Path) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -199,13 +248,17 @@ def summarise(records: list[dict[str, Any]], staleness: int) -> dict[str, Any]:
     }
 
 
+def ordered_modes(results: dict[str, Any]) -> list[str]:
+    return [m for m in MODES if results.get(m)] + sorted(m for m in results if m not in MODES)
+
+
 def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in MODES if results.get(m)]
+    modes = ordered_modes(results)
     fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes), 4.5), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         for s, runs in sorted(results[mode].items()):
@@ -216,7 +269,7 @@ def plot(results: dict[str, dict[int, list[dict[str, Any]]]], out: Path) -> None
             ax.plot(range(1, n + 1), smooth, label=f"S = {s}")
         ax.set_title({"new": "swarm, defaults", "forced": "staleness forced to S, defaults",
                       "old": "swarm, before (oldest-first, 1 update/step)",
-                      "forced-old": "forced to S, before (1 update/step)"}[mode])
+                      "forced-old": "forced to S, before (1 update/step)"}.get(mode, f"forced to S, {mode[7:]}"))
         ax.set_xlabel("step")
         ax.set_ylabel("mean reward (20-step mean, seed average)")
         ax.set_ylim(0, 1)
@@ -241,7 +294,17 @@ def main() -> int:
     parser.add_argument("--png", type=Path, default=Path("docs/bench_staleness.png"))
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    parser.add_argument("--jsonl", type=Path, default=None, help="append each run's summary here as it ends")
+    parser.add_argument("--jobs", type=int, default=1, help="forced-mode runs at a time (separate processes)")
+    parser.add_argument("--seed-offset", type=int, default=0, help="first seed (seeds K .. K + seeds - 1)")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[], metavar="NAME=JSON",
+                        help="a forced-mode variant: train fields over today's defaults, e.g. "
+                        "e1m2='{\"ppo_epochs\": 1, \"minibatches\": 2}' (repeatable)")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="forced mode: run only the --variant and --baseline settings, not today's defaults")
     args = parser.parse_args()
+    if args.jobs < 1 or args.seeds < 1 or args.seed_offset < 0:
+        parser.error("--jobs and --seeds must be >= 1 and --seed-offset >= 0")
 
     from echo2swarm.runtime.logging import setup_logging
 
@@ -263,49 +326,69 @@ def main() -> int:
     sweep = [int(s) for s in args.staleness.split(",") if s]
     forced = [int(s) for s in args.forced.split(",") if s]
     plans: list[tuple[str, int, dict[str, Any]]] = [("new", s, {}) for s in sweep]
-    plans += [("forced", s, {}) for s in forced]
+    plans += [("forced", s, {}) for s in forced if not args.variants_only]
     baseline = [int(s) for s in args.baseline.split(",") if s]
     plans += [("old", s, OLD_DEFAULTS) for s in sweep if s in baseline]
     plans += [("forced-old", s, OLD_OBJECTIVE) for s in forced if s in baseline]
+    plans += [(f"forced-{name}", s, fields) for name, fields in args.variant for s in forced]
     results: dict[str, dict[int, list[dict[str, Any]]]] = {}
     print(f"{'run':<22} {'last50':>7} {'first20':>7} {'acc':>13} {'stale mean':>10} {'at S':>6} "
           f"{'dropped':>7} {'clip':>6} {'gap':>6} {'bubble':>6} {'wall':>6}", flush=True)
-    for seed in range(args.seeds):
-        for mode, s, overrides in plans:
-            name = f"{mode}-s{s}-seed{seed}"
-            run = root / name
-            shutil.rmtree(run, ignore_errors=True)
-            run_model = run / "model"
-            shutil.copytree(model, run_model)
-            t0 = time.monotonic()
-            if mode.startswith("forced"):
-                records = run_forced(run, run_model, s, seed, args.steps, overrides)
-            else:
-                records = run_swarm(run, run_model, s, seed, args.steps, overrides, args.peers, args.timeout)
-            summary = summarise(records, s)
-            summary["accuracy"] = accuracy(run / "learner" / "run" / "final")
-            summary["wall_s"] = time.monotonic() - t0
-            results.setdefault(mode, {}).setdefault(s, []).append(summary)
-            print(f"{name:<22} {summary['last50']:7.3f} {summary['first20']:7.3f} "
-                  f"{start_accuracy:5.3f}->{summary['accuracy']:5.3f} {summary['staleness_mean']:10.2f} "
-                  f"{summary['at_bound']:6.0%} {summary['dropped_stale']:7d} {summary['clip_frac']:6.3f} "
-                  f"{summary['gap']:6.3f} {summary['bubble']:6.3f} {summary['wall_s']:5.0f}s", flush=True)
-            shutil.rmtree(run_model, ignore_errors=True)
+
+    def report(mode: str, s: int, name: str, summary: dict[str, Any]) -> None:
+        results.setdefault(mode, {}).setdefault(s, []).append(summary)
+        print(f"{name:<22} {summary['last50']:7.3f} {summary['first20']:7.3f} "
+              f"{start_accuracy:5.3f}->{summary['accuracy']:5.3f} {summary['staleness_mean']:10.2f} "
+              f"{summary['at_bound']:6.0%} {summary['dropped_stale']:7d} {summary['clip_frac']:6.3f} "
+              f"{summary['gap']:6.3f} {summary['bubble']:6.3f} {summary['wall_s']:5.0f}s", flush=True)
+        if args.jsonl:
+            with args.jsonl.open("a") as out:
+                out.write(json.dumps({"mode": mode, "S": s, "run": name,
+                                      **{k: v for k, v in summary.items() if k != "curve"}}) + "\n")
+
+    runs = [(mode, s, overrides, seed) for seed in range(args.seed_offset, args.seed_offset + args.seeds)
+            for mode, s, overrides in plans]
+    pool_runs = [r for r in runs if r[0].startswith("forced")] if args.jobs > 1 else []
+    pool = None
+    if pool_runs:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn"))
+        futures = {pool.submit(one_run, root, model, mode, s, seed, overrides, args): (mode, s, seed)
+                   for mode, s, overrides, seed in pool_runs}
+    try:
+        for mode, s, overrides, seed in runs:
+            if (mode, s, overrides, seed) not in pool_runs:
+                report(mode, s, f"{mode}-s{s}-seed{seed}", one_run(root, model, mode, s, seed, overrides, args))
+        if pool is not None:
+            from concurrent.futures import as_completed
+
+            for future in as_completed(futures):
+                mode, s, seed = futures[future]
+                report(mode, s, f"{mode}-s{s}-seed{seed}", future.result())
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
     def zero_of(mode: str) -> float | None:
         runs = results.get(mode, {}).get(0)
         return statistics.fmean(r["last50"] for r in runs) if runs else None
 
     print(f"\nlast-{LAST}-step mean reward, averaged over {args.seeds} seeds; ratio to S = 0 of the same mode")
-    print(f"{'mode':<10} {'S':>3} {'last50':>7} {'ratio':>6} {'stale mean':>10} {'acc after':>9} {'dropped':>7}")
-    for mode in MODES:
+    print(f"{'mode':<14} {'S':>3} {'last50':>7} {'± se':>6} {'ratio':>6} {'stale mean':>10} {'acc after':>9} "
+          f"{'dropped':>7} {'runs':>4}")
+    for mode in ordered_modes(results):
         zero = zero_of(mode)
         for s, runs in sorted(results.get(mode, {}).items()):
-            mean = statistics.fmean(r["last50"] for r in runs)
+            last50 = [r["last50"] for r in runs]
+            mean = statistics.fmean(last50)
+            se = statistics.stdev(last50) / len(last50) ** 0.5 if len(last50) > 1 else float("nan")
             ratio = f"{mean / zero:6.2f}" if zero else "     -"
-            print(f"{mode:<10} {s:>3} {mean:7.3f} {ratio} {statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
+            print(f"{mode:<14} {s:>3} {mean:7.3f} {se:6.3f} {ratio} "
+                  f"{statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
                   f"{statistics.fmean(r['accuracy'] for r in runs):9.3f} "
-                  f"{statistics.fmean(r['dropped_stale'] for r in runs):7.0f}")
+                  f"{statistics.fmean(r['dropped_stale'] for r in runs):7.0f} {len(runs):4d}")
     plot(results, args.png)
     print(f"\nplot: {args.png}")
     if args.json:

@@ -58,9 +58,11 @@ class TrainConfig(_Section):
         "(AReaL-style: drops the tokens the learner's policy has moved furthest from; use it when staleness is "
         "large and is_truncated_frac in metrics.jsonl is high).",
     )
-    is_level: Literal["token", "sequence"] = Field(
+    is_level: Literal["token", "sequence", "sequence_product"] = Field(
         "token", description="One importance weight per 'token', or per 'sequence' (the geometric mean of its "
-        "tokens' weights: lower variance on long completions, coarser).",
+        "tokens' weights: lower variance on long completions, coarser), or 'sequence_product' (the product of "
+        "its tokens' weights, pi(y)/mu(y) of the whole completion: also corrects for the prefixes the stale "
+        "policy chose, unbiased below is_cap; variance grows with length: for short completions).",
     )
     ppo_epochs: int = Field(
         2, ge=1, le=16, description="Passes over each step's batch. Each pass makes `minibatches` optimizer updates "

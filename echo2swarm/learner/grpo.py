@@ -161,7 +161,7 @@ def token_logprobs(
 
 LossType = Literal["bnpo", "grpo", "dr_grpo", "dapo"]
 IsMode = Literal["truncate", "mask"]
-IsLevel = Literal["token", "sequence"]
+IsLevel = Literal["token", "sequence", "sequence_product"]
 KlEstimator = Literal["k3_is", "k3"]
 
 
@@ -176,7 +176,11 @@ class LossOptions:
     - ``is_mode``: above ``is_cap`` the importance weight is ``truncate``-d to the cap, or the token
       (``is_level="sequence"``: the sequence) is ``mask``-ed out of the objective (AReaL-style).
     - ``is_level``: ``token`` weights, or one ``sequence`` weight: the geometric mean of its tokens'
-      weights (length-normalised, so long sequences are not crushed or exploded).
+      weights (length-normalised, so long sequences are not crushed or exploded), or
+      ``sequence_product``: the product of its tokens' weights, π(y)/μ(y) of the whole completion,
+      the classical truncated importance weight: it also corrects for the behaviour policy's prefixes
+      (a token weight only corrects the last token's choice, given a prefix μ chose), so the update
+      is unbiased below the cap; its variance grows with length, so use it for short completions.
     - ``kl_estimator``: ``k3_is`` is ``(π/μ) k3`` with the gradient flowing through ``π/μ``: an
       unbiased estimate of KL(π‖ref), value and gradient, on tokens sampled from the behaviour policy
       μ; ``k3`` is the plain k3 on those tokens, whose gradient is that of KL(ref‖π) (kept to
@@ -219,6 +223,16 @@ def _aggregate(token_loss: torch.Tensor, keep: torch.Tensor, options: LossOption
         rows = (per_row > 0).sum().clamp(min=1)
         return masked.sum() / (rows * options.max_completion_length)
     return masked.sum() / options.global_tokens  # dapo
+
+
+def log_importance_weights(gap: torch.Tensor, keep: torch.Tensor, level: IsLevel) -> torch.Tensor:
+    """``[B, T]`` per-token log(proximal / behaviour) -> the log importance weight of each token at
+    ``level`` (see :class:`LossOptions`): the token's own, its sequence's mean, or its sequence's sum."""
+    if level == "token":
+        return gap
+    if level == "sequence":
+        return _sequence_mean(gap, keep).expand_as(gap)
+    return torch.where(keep, gap, torch.zeros_like(gap)).sum(dim=1, keepdim=True).expand_as(gap)
 
 
 def _sequence_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -311,7 +325,7 @@ def grpo_loss(
     stats_w = {"is_weight_mean": 1.0, "is_truncated_frac": 0.0, "is_masked_frac": 0.0, "is_ess": 1.0}
     objective = keep  # the positions the loss is taken over
     if proximal_logprobs is not None:
-        log_w = gap if options.is_level == "token" else _sequence_mean(gap, keep).expand_as(gap)
+        log_w = log_importance_weights(gap, keep, options.is_level)
         raw = torch.exp(log_w)
         weight = raw
         over = keep & (raw > is_cap) if is_cap is not None else torch.zeros_like(keep)

@@ -30,7 +30,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import LossOptions, completion_logits, group_advantages, grpo_loss, token_logprobs
+from echo2swarm.learner.grpo import (
+    LossOptions,
+    completion_logits,
+    group_advantages,
+    grpo_loss,
+    log_importance_weights,
+    token_logprobs,
+)
 from echo2swarm.learner.scoring import score_logits
 from echo2swarm.learner.verify import (
     NonFiniteWeightsError,
@@ -395,8 +402,7 @@ class GRPOTrainer:
         cap = self.config.is_cap
         if proximal is not None and options.is_mode == "mask" and cap is not None:
             gap = torch.where(keep, proximal - batch.behaviour, torch.zeros_like(proximal))
-            if options.is_level == "sequence":
-                gap = (gap.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(gap)
+            gap = log_importance_weights(gap, keep, options.is_level)
             objective = keep & ~(keep & (torch.exp(gap) > cap))
         tokens = objective.sum(dim=1).to(torch.float64)
         return tokens if options.loss_type == "bnpo" else (tokens > 0).to(torch.float64)

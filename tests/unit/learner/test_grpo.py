@@ -481,3 +481,22 @@ def test_kl_k3_is_is_unbiased_for_reverse_kl_off_policy() -> None:
     theta3 = theta.detach().clone().requires_grad_(True)
     _, plain = _kl_estimate("k3", theta3, mu, ref, copies)
     assert abs(plain["kl"] - float(true_kl)) > 1e-3
+
+
+def test_sequence_product_weights_hand_computed() -> None:
+    # one weight per sequence: the product of its tokens' weights, pi(y)/mu(y) of the completion
+    p0, p1 = 3.0 * 0.5, 1.0 * 1.5 * 2.5  # 1.5, 3.75
+    lp = _logprobs(PROXIMAL)
+    product = LossOptions(is_level="sequence_product")
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=5.0, options=product)
+    assert loss.item() == pytest.approx((p0 * -3.4 + p1 * 1.7) / 5)
+    assert stats["is_truncated_frac"] == 0.0
+    # cap 2: sequence 1 (3.75) is truncated to 2, all three of its tokens counted as cut
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=product)
+    assert loss.item() == pytest.approx((p0 * -3.4 + 2.0 * 1.7) / 5)
+    assert stats["is_truncated_frac"] == pytest.approx(3 / 5)
+    # masked instead: sequence 1 leaves the objective as a whole
+    masked = LossOptions(is_level="sequence_product", is_mode="mask")
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=masked)
+    assert loss.item() == pytest.approx(p0 * -3.4 / 2)
+    assert stats["is_masked_frac"] == pytest.approx(3 / 5)
