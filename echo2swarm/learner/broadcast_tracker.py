@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection
 
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
-from echo2swarm.policy.broadcast_plan import make_plan
+from echo2swarm.policy.broadcast_plan import make_plan, nat_peers
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.runtime.logging import get_logger
 
@@ -80,7 +80,8 @@ class BroadcastTracker:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""
         undialable = {c.peer_id for c in self.cards if c.reachability == "private"}  # NAT'd, no relay slot yet
         receivers = [r for r in self.receivers() if r[0] not in undialable]
-        plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds)
+        plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds,
+                         nat=nat_peers(self.cards))  # direct edges first; relayed ones load their relay too
         data = plan.to_bytes()
         self.plans[version] = data
         self._receivers[version] = {peer for peer, _ in receivers}

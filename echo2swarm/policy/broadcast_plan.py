@@ -8,6 +8,14 @@ each peer forwards what it has verified to the next one while still fetching the
 learner's uplink stays near one model's worth per version however many peers there are, and a
 version reaches the last peer about (M + depth·chunk)/B after publication instead of N·M/B.
 
+Behind NAT (the cards' `reachability` and `holepunch`): a fetcher dials its parent, so an edge is direct
+when the parent is public, or when both ends hole-punch (a NAT'd parent that punches also reaches a
+public child directly); any other edge into a NAT'd parent runs through its circuit relay, and the
+relay uploads that share too. Chains therefore run public peers, then NAT'd peers that hole-punch,
+then the others (whose outgoing edges are the relayed ones); public peers are ranked by their uplink
+shared with the relayed edges they carry (`relay_load`), so a busy relay is not also an early parent.
+A `private` peer (no relay slot yet) is nobody's parent: nobody can reach it.
+
 Chains are ordered by advertised upload bandwidth, fastest first: every peer but the last uploads
 the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers without a
 cap (`upload_bps` null) count as fastest. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
@@ -19,12 +27,13 @@ parent is slow, gone or lying, and peers that joined after publication use holde
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo2swarm.wire.records import MAX_VERSION
+from echo2swarm.wire.records import MAX_VERSION, PeerCard
 from echo2swarm.wire.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
 
 MAX_PLAN_BYTES = 256 * 1024
@@ -65,8 +74,54 @@ class BroadcastPlan(BaseModel):
         return self.model_dump_json().encode()
 
 
+@dataclass(frozen=True)
+class NatPeer:
+    """A receiver behind NAT as its card tells it: the relays its /p2p-circuit addresses go through (the
+    first one listed is the one a fetcher's p2pd dials) and whether it holds hole-punched connections."""
+
+    relays: tuple[str, ...] = ()
+    holepunch: bool = False
+
+
+def nat_peers(cards: Iterable[PeerCard]) -> dict[str, NatPeer]:
+    """The receivers behind NAT among `cards` (relayed or private). Cards are peer-signed claims: a peer
+    can only mislabel itself, and the worst a false `holepunch` buys it is being planned as a parent
+    its children then reach through its relay (as before), or fall back from to holders."""
+    out: dict[str, NatPeer] = {}
+    for card in cards:
+        if card.reachability not in ("relayed", "private"):
+            continue
+        relays = [m.split("/p2p/")[1].split("/", 1)[0] for m in card.maddrs
+                  if "/p2p-circuit" in m and m.count("/p2p/") >= 1]
+        out[card.peer_id] = NatPeer(relays=tuple(dict.fromkeys(relays))[:8], holepunch=bool(card.holepunch))
+    return out
+
+
+def direct_edge(parent: str, child: str, nat: Mapping[str, NatPeer]) -> bool:
+    """Whether `child` fetching from `parent` gets a direct connection (else: through `parent`'s relay)."""
+    up = nat.get(parent)
+    if up is None:
+        return True
+    down = nat.get(child)
+    return up.holepunch and (down is None or down.holepunch)
+
+
+def relay_load(chains: Sequence[Sequence[str]], nat: Mapping[str, NatPeer]) -> dict[str, int]:
+    """Stripes each peer uploads under `chains`: one per child it parents, plus one per relayed edge it
+    carries as the parent's relay (peers that are not receivers, e.g. the bootstrap, appear too)."""
+    load: dict[str, int] = {}
+    for chain in chains:
+        for parent, child in zip(chain, chain[1:]):
+            load[parent] = load.get(parent, 0) + 1
+            if not direct_edge(parent, child, nat):
+                relay = nat[parent].relays[0] if nat[parent].relays else None
+                if relay is not None:
+                    load[relay] = load.get(relay, 0) + 1
+    return load
+
+
 def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
-                undialable: Collection[str] = ()) -> list[list[str]]:
+                undialable: Collection[str] = (), nat: Mapping[str, NatPeer] | None = None) -> list[list[str]]:
     """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most.
 
     Every peer of a chain but the last is its successor's parent, and a parent must be dialable: a
@@ -79,11 +134,29 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
     >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2, undialable={"c"})
     [['b', 'a']]
     """
+    nat = dict(nat or {})
+    undialable = set(undialable) | {p for p, n in nat.items() if not n.relays and not n.holepunch}
     receivers = [r for r in receivers if r[0] not in undialable]
-    # None is an uncapped uplink (the card's meaning): those peers go first, then capped ones, fastest first.
-    uncapped = sorted((r for r in receivers if r[1] is None), key=lambda r: r[0])
-    capped = sorted((r for r in receivers if r[1] is not None), key=lambda r: (-(r[1] or 0), r[0]))
-    order = [peer for peer, _ in uncapped + capped][: MAX_PLAN_ENTRIES // max(1, seeds)]
+    # Public peers, then NAT'd peers that hole-punch, then the rest: the relayed edges come last.
+    tier = {p: 0 if p not in nat else 1 if nat[p].holepunch else 2 for p, _ in receivers}
+    chains = _chains(receivers, seeds, tier, {})
+    if nat and chains:  # rank again with each uplink shared among what it relays under the first plan
+        load = relay_load(chains, nat)
+        relayed = {p: load.get(p, 0) - sum(1 for c in chains for a in c[:-1] if a == p) for p in load}
+        chains = _chains(receivers, seeds, tier, {p: 1 + max(0, k) / len(chains) for p, k in relayed.items()})
+    return chains
+
+
+def _chains(receivers: Sequence[tuple[str, int | None]], seeds: int, tier: Mapping[str, int],
+            share: Mapping[str, float]) -> list[list[str]]:
+    # None is an uncapped uplink (the card's meaning): those peers go first, then capped ones, fastest first
+    # (an uplink divided by `share`, the parts of it relayed edges take).
+    def rank(r: tuple[str, int | None]) -> tuple[int, int, float, str]:
+        peer, bps = r
+        uncapped = bps is None and share.get(peer, 1.0) <= 1.0
+        return (tier.get(peer, 0), 0 if uncapped else 1, -(bps if bps is not None else 1e18) / share.get(peer, 1.0), peer)
+
+    order = [peer for peer, _ in sorted(receivers, key=rank)][: MAX_PLAN_ENTRIES // max(1, seeds)]
     if not order:
         return []
     # The tail uploads nothing; with as many stripes as peers it would also head one, so keep it out.
@@ -94,9 +167,10 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
 def make_plan(
     key: PolicyKey, swarm: str, version: int, publisher: str,
     receivers: Sequence[tuple[str, int | None]], seeds: int, undialable: Collection[str] = (),
+    nat: Mapping[str, NatPeer] | None = None,
 ) -> BroadcastPlan:
     plan = BroadcastPlan(
-        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds, undialable),
+        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds, undialable, nat),
         public_key=key.public.text,
     )
     return plan.model_copy(update={"signature": key.sign(DOMAIN_PLAN, plan._payload()).hex()})

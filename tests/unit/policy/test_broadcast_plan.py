@@ -200,3 +200,39 @@ def test_a_peer_nobody_can_dial_is_never_a_parent() -> None:
     chains = plan_chains(receivers, seeds=2, undialable={"nat"})
     assert chains and all("nat" not in chain for chain in chains)
     assert chains == [["a", "b", "c"], ["b", "a", "c"]]
+
+
+def test_nat_plans_prefer_direct_edges_and_count_relayed_ones_against_the_relay() -> None:
+    from echo2swarm.policy.broadcast_plan import NatPeer, direct_edge, plan_chains, relay_load
+
+    # pub0 and pub1 public; h0..h2 hole-punch; r0, r1 do not (relayed through pub0); x has no relay slot.
+    nat = {"h0": NatPeer(("pub0",), True), "h1": NatPeer(("pub1",), True), "h2": NatPeer(("pub0",), True),
+           "r0": NatPeer(("pub0",), False), "r1": NatPeer(("pub0",), False), "x": NatPeer((), False)}
+    receivers = [(p, None) for p in ["r0", "h0", "x", "pub0", "r1", "h1", "pub1", "h2"]]
+    chains = plan_chains(receivers, seeds=2, nat=nat)
+    assert all("x" not in chain for chain in chains), "a peer nobody can reach is nobody's parent"
+    for chain in chains:
+        assert chain[-2:] in (["r0", "r1"], ["r1", "r0"]), f"relayed parents go last: {chain}"
+        assert set(chain[:2]) == {"pub0", "pub1"} and set(chain[2:5]) == {"h0", "h1", "h2"}
+    edges = [(a, b) for chain in chains for a, b in zip(chain, chain[1:])]
+    # Relayed: h -> r (r cannot answer DCUtR) and r -> r, in each chain; every other edge is direct.
+    assert sum(not direct_edge(a, b, nat) for a, b in edges) == 2 * len(chains)
+    # pub0 relays for r0/r1: its uplink is shared, so pub1 (uncapped too) now heads the first chain
+    assert chains[0][0] == "pub1"
+    load = relay_load(chains, nat)
+    assert load["pub0"] == 2 + 2 * 2, "a parent in both chains, plus the 2 relayed edges of each chain it carries"
+    assert load.get("r0", 0) + load.get("r1", 0) == 2  # the non-tail relayed peer uploads once per chain
+
+
+def test_nat_peers_read_from_cards_are_bounded_claims() -> None:
+    from echo2swarm.policy.broadcast_plan import NatPeer, nat_peers
+
+    relay = PEERS[7]
+    def card(peer: str, reach: str | None, maddrs: list[str], holepunch: list[str]) -> PeerCard:
+        return PeerCard(peer_id=peer, role="rollout", price=0.0, state="ready", software="0", updated_ms=1,
+                        reachability=reach, maddrs=maddrs, holepunch=holepunch)
+
+    circuit = f"/ip4/11.0.0.10/udp/1/quic-v1/p2p/{relay}/p2p-circuit"
+    cards = [card(PEERS[0], "relayed", [circuit, circuit.replace("udp/1/quic-v1", "tcp/2")], ["quic"]),
+             card(PEERS[1], "public", ["/ip4/11.0.0.11/tcp/1"], []), card(PEERS[2], "private", [], [])]
+    assert nat_peers(cards) == {PEERS[0]: NatPeer((relay,), True), PEERS[2]: NatPeer((), False)}
