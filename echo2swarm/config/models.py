@@ -278,9 +278,23 @@ class FetchConfig(StrictModel):
     """How followers fetch policy versions."""
 
     head_poll_s: float = Field(2.0, gt=0, description="Seconds between looks at the learner's head record.")
+    head_wait_s: float = Field(
+        10.0, ge=0, le=300,
+        description="Seconds a follower asks the learner's chunk server to hold its head request until a newer "
+        "head is out (long-poll: new versions are seen at once instead of at the next DHT read; the server "
+        "holds it at most chunk_server.wait_s). 0: no long-poll, heads come from the DHT every head_poll_s "
+        "(and from lease replies).",
+    )
     holders_refresh_s: float = Field(
         2.0, ge=0.2, le=60, description="Seconds between reads of the peer cards (who holds what) during a fetch; "
         "every read costs every DHT node some CPU, and holders change on the scale of whole versions.",
+    )
+    delta_order_items: int = Field(
+        2**27, ge=0, le=2**40,
+        description="Largest held version, in weight items (parameters), whose delta visiting orders a follower "
+        "computes ahead at idle priority while it waits for the next version, so that rebuilding a delta skips "
+        "the sorts that dominate it (policy/catchup.BaseOrders). Costs 4 bytes of RAM per item (2**27: 512 MiB "
+        "at most). 0: never; the rebuild then sorts on the critical path.",
     )
     manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
     chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")
@@ -364,6 +378,13 @@ class PublishConfig(StrictModel):
     model: Path | None = Field(None, description="Hugging Face model directory (safetensors) to publish and train.")
     policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
     chunk_size: int = Field(8 * MiB, description="Bytes per chunk (64 KiB .. 64 MiB); accepts '8MiB'.")
+    delta_chunk_size: int = Field(
+        64 * 1024,
+        description="Bytes per chunk of a delta file (16 KiB .. 64 MiB, at most chunk_size; accepts '64KiB'). A delta "
+        "is often under one dense chunk; cut finer, its pieces flow down the broadcast chains at once (each "
+        "peer forwards piece k while it fetches k+1) instead of hop by hop as one chunk. Each chunk costs a "
+        "request and a manifest entry: raise it for deltas of hundreds of MB.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of the published weights (what peers run): `auto` is the model directory's own; "
         "the learner trains fp32 master weights and publishes their cast.",
@@ -400,6 +421,21 @@ class PublishConfig(StrictModel):
         if not 64 * 1024 <= n <= 64 * MiB:
             raise ValueError("chunk_size must be between 64KiB and 64MiB")
         return n
+
+    @field_validator("delta_chunk_size", mode="before")
+    @classmethod
+    def _delta_size(cls, v: object) -> int:
+        n = parse_bytes(v)  # type: ignore[arg-type]
+        if not 16 * 1024 <= n <= 64 * MiB:
+            raise ValueError("delta_chunk_size must be between 16KiB and 64MiB")
+        return n
+
+    @model_validator(mode="after")
+    def _delta_chunks(self) -> "PublishConfig":
+        if self.delta_chunk_size > self.chunk_size:
+            raise ValueError(f"publish.delta_chunk_size ({self.delta_chunk_size}) must be at most publish.chunk_size "
+                             f"({self.chunk_size}): a manifest's chunks are at most its chunk_size")
+        return self
 
 
 class _DaemonBase(StrictModel):

@@ -52,7 +52,8 @@ class LearnerService:
         self.train = config.train
         self.key = PolicyKey.load(self.config.publish.policy_key)  # type: ignore[arg-type]
         self.publisher = Publisher(
-            self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id
+            self.config.overlay.swarm, self.key, ctx.chunks, ctx.versions, self.config.publish.chunk_size, ctx.overlay.peer_id,
+            delta_chunk_size=self.config.publish.delta_chunk_size,
         )
         refresh_s = config.publish.cards_refresh_s or min(2.0, config.overlay.announce_period_s / 2)
         self.ledger = PeerLedger(config.peers)  # who is on probation, capped or banned (intake, trainer, broadcast)

@@ -81,6 +81,8 @@ SERVER = Section(
         "manifests_served": _one(counter("server_sent_manifests_total", "Signed manifests this daemon served.")),
         "waited": _one(counter("server_held_requests_total",
                                "Chunk requests held until the chunk of the version in flight arrived.")),
+        "head_waited": _one(counter("server_held_head_requests_total",
+                                    "Head long-polls held until a newer head was out (or their wait ended).")),
         "wait_unseen": _one(counter("server_unseen_version_requests_total",
                                     "Chunk requests naming a version this daemon has not seen signed (answered at once).")),
         "dropped_connections": _one(counter("server_dropped_connections_total",

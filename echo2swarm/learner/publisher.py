@@ -128,19 +128,22 @@ class Publisher:
     """
 
     def __init__(
-        self, swarm: str, key: PolicyKey, chunks: ChunkStore, versions: VersionStore, chunk_size: int, peer_id: str
+        self, swarm: str, key: PolicyKey, chunks: ChunkStore, versions: VersionStore, chunk_size: int, peer_id: str,
+        delta_chunk_size: int | None = None,
     ):
         self.swarm = swarm
         self.key = key
         self.chunks = chunks
         self.versions = versions
         self.chunk_size = chunk_size
+        # delta files in finer chunks (publish.delta_chunk_size), so they pipeline down the chains
+        self.delta_chunk_size = min(delta_chunk_size or chunk_size, chunk_size)
         self.peer_id = peer_id
 
-    def _add_file(self, name: str, source: Path | bytes) -> FileEntry:
+    def _add_file(self, name: str, source: Path | bytes, chunk_size: int | None = None) -> FileEntry:
         digest, refs, size = hashlib.sha256(), [], 0
         with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as f:
-            while piece := f.read(self.chunk_size):
+            while piece := f.read(chunk_size or self.chunk_size):
                 sha = sha256_hex(piece)
                 self.chunks.put(sha, piece)
                 refs.append(ChunkRef(sha256=sha, size=len(piece)))
@@ -209,7 +212,8 @@ class Publisher:
         # keyframe_every = 1 means every version dense on the wire too: no delta to offer beside it
         if primary is not None and previous is not None and len(primary) < len(dense) and keyframe_every > 1:
             deltas.append(DeltaFile(base=BaseRef(version=previous.version, manifest_sha256=previous.manifest_sha256),
-                                    file=self._add_file(delta_file_name(previous.version), primary)))
+                                    file=self._add_file(delta_file_name(previous.version), primary,
+                                                        self.delta_chunk_size)))
         composite = None
         if composites and reason is None and keyframe is not None and previous is not None \
                 and keyframe.version != previous.version:
@@ -217,7 +221,8 @@ class Publisher:
             if len(blob) < chain_bytes + len(primary or b""):
                 composite = len(blob)
                 deltas.append(DeltaFile(base=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256),
-                                        file=self._add_file(delta_file_name(keyframe.version), blob)))
+                                        file=self._add_file(delta_file_name(keyframe.version), blob,
+                                                            self.delta_chunk_size)))
         if reason is not None:  # dense: the weights are a file of the version; deltas are alternatives
             entries = sorted(entries + [self._add_file(WEIGHTS_FILE, dense)], key=lambda e: e.name)
             manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000),

@@ -17,15 +17,25 @@ the follower plans again without that delta (the keyframe path).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Collection
+import json
+import os
+import shutil
+import threading
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from echo2swarm.policy.manifest import DeltaFile, Manifest, sha256_hex
+from echo2swarm.policy.manifest import SAFETENSORS_MAX_HEADER, DeltaFile, Manifest, sha256_hex
 from echo2swarm.runtime.logging import get_logger
 
+if TYPE_CHECKING:
+    import numpy as np
+
 logger = get_logger(__name__)
+ORDERS_NICE = 10  # the orders thread's nice: it yields to the peer's own work (a nice-0 thread gets ~10x its share)
 MAX_CHAIN = 64  # manifests a follower walks back from the target at most (publish.keyframe_every <= this)
 PATHS = ("delta", "chain", "composite", "keyframe")  # fetch-path labels (bounded: metrics and /v1/info)
 # torch dtype name -> safetensors dtype string, for checking a rebuilt tensor against its TensorInfo
@@ -138,25 +148,183 @@ def check_tensors(manifest: Manifest, tensors: dict[str, object]) -> None:
             raise DeltaRefused("tensor_hash", f"v{manifest.version}: rebuilt {name} does not match its signed sha256")
 
 
-def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes) -> bytes:
-    """The version's weights file (safetensors bytes), rebuilt from the base version's installed
-    weights and `blob`, every tensor checked against the manifest. DeltaRefused otherwise."""
-    from safetensors.torch import load_file
-    from safetensors.torch import save as save_safetensors
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
-    from echo2swarm.policy.delta import DeltaError, apply_delta
+
+@dataclass(frozen=True)
+class _Slot:
+    """One tensor of a safetensors file: dtype, shape and its bytes' place in the file."""
+
+    dtype: str
+    shape: list[int]
+    start: int
+    end: int
+
+
+def _safetensors_layout(path: Path, size: int) -> dict[str, _Slot]:
+    """The tensors of a safetensors file from its header, every range checked to lie in the file,
+    match its dtype and shape, and overlap no other. DeltaRefused("wrong_base") otherwise."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_len <= min(size - 8, SAFETENSORS_MAX_HEADER):
+            raise DeltaRefused("wrong_base", f"{path.name}: not a safetensors file")
+        header = f.read(header_len)
+    try:
+        entries = json.loads(header)
+        data_start = 8 + header_len
+        slots = {}
+        for name, v in entries.items():
+            if name == "__metadata__":
+                continue
+            start, end = (data_start + int(o) for o in v["data_offsets"])
+            numel = 1
+            for d in v["shape"]:
+                numel *= int(d)
+            if v["dtype"] not in _ITEMSIZE or not data_start <= start <= end <= size \
+                    or end - start != numel * _ITEMSIZE[v["dtype"]]:
+                raise ValueError(f"tensor {name[:80]!r}: bad dtype or range")
+            slots[name] = _Slot(v["dtype"], [int(d) for d in v["shape"]], start, end)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DeltaRefused("wrong_base", f"{path.name}: unreadable safetensors header ({e})") from None
+    ranges = sorted((s.start, s.end) for s in slots.values())
+    if any(a_end > b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])):
+        raise DeltaRefused("wrong_base", f"{path.name}: tensors overlap")
+    return slots
+
+
+def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
+            orders: "Mapping[str, np.ndarray] | None" = None) -> list[str]:
+    """Write the version's weights file at `out`, rebuilt from the base version's installed weights
+    and `blob`, every tensor checked against the manifest; DeltaRefused otherwise (`out` removed).
+    Returns the names of the tensors the delta changed.
+
+    Written once: `out` starts as a copy of the base's file (the kernel copies it), the delta is
+    applied in place through a memory map, and only the tensors it changed are hashed. An unchanged
+    tensor is the base's, which was checked against the base's signed hash when the base was
+    installed: it passes when the new manifest signs that same hash (else it is hashed, and refused
+    unless it matches). `orders`: the base's visiting orders computed ahead (`BaseOrders`), if any.
+    """
+    import numpy as np
+
+    from echo2swarm.policy.delta import DeltaError, apply_delta_bits
 
     if hashlib.sha256(blob).hexdigest() != delta.file.sha256:  # every chunk was checked; the whole, again
         raise DeltaRefused("blob_hash", f"v{manifest.version}: the assembled delta does not match its sha256")
     if base.weights_file is None:
         raise DeltaRefused("wrong_base", f"v{manifest.version}: base v{base.version} has no single weights file")
-    base_tensors = load_file(str(base_dir / base.weights_file))
+    shutil.copyfile(base_dir / base.weights_file, out)
     try:
-        rebuilt = apply_delta(base_tensors, blob)
-    except DeltaError as e:
-        raise DeltaRefused(e.reason, f"v{manifest.version} from v{base.version}: {e}") from None
-    check_tensors(manifest, rebuilt)
-    return save_safetensors(rebuilt, metadata={"format": "pt"})
+        size = out.stat().st_size
+        slots = _safetensors_layout(out, size)
+        # A shared map of the copy (numpy's: it is unmapped when the last view goes, even one an
+        # exception's traceback still holds): the delta's changes land in the file itself.
+        mm = np.memmap(out, dtype=np.uint8, mode="r+", shape=(size,))
+        bits = {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
+        try:
+            changed = apply_delta_bits(bits, blob, orders)
+        except DeltaError as e:
+            raise DeltaRefused(e.reason, f"v{manifest.version} from v{base.version}: {e}") from None
+        expected = {t.name: t for t in manifest.tensors}
+        if set(slots) != set(expected):
+            raise DeltaRefused("tensor_names", f"v{manifest.version}: rebuilt tensors "
+                               f"{sorted(set(slots) ^ set(expected))[:3]} differ from the manifest's")
+        for name, slot in slots.items():
+            info = expected[name]
+            if slot.dtype != info.dtype or slot.shape != info.shape:
+                raise DeltaRefused("tensor_shape", f"v{manifest.version}: {name} is {slot.dtype}{slot.shape}, "
+                                   f"the manifest says {info.dtype}{info.shape}")
+        signed_before = {t.name: t.sha256 for t in base.tensors}
+        touched = set(changed)
+        for name in slots:
+            want = expected[name].sha256
+            if want is None or (name not in touched and signed_before.get(name) == want):
+                continue
+            if hashlib.sha256(bits[name]).hexdigest() != want:
+                raise DeltaRefused("tensor_hash", f"v{manifest.version}: rebuilt {name} does not match its signed sha256")
+        del bits, mm  # a shared map: its writes are the file's (no flush: nothing here is fsynced either)
+        return changed
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+
+
+def weights_bits(path: Path) -> "dict[str, np.ndarray]":
+    """A safetensors file's tensors as flat unsigned arrays of their item size, read-only views of a map."""
+    import numpy as np
+
+    size = path.stat().st_size
+    slots = _safetensors_layout(path, size)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+    return {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
+
+
+class BaseOrders:
+    """The visiting orders (`delta.visit_orders`) of the version a follower holds, computed ahead at
+    idle priority, so that rebuilding the next delta against it skips the sorts that dominate it.
+
+    One thread, niced to ORDERS_NICE where the OS allows (Linux: per thread), so it yields to the
+    peer's own work; `take(version, sha)` returns the orders if they are done for that exact version and
+    manifest, else stops the thread (the rebuild sorts for itself at normal priority). Memory: 4
+    bytes per item of the held weights, only when they have at most `max_items` items (0: never).
+    A wrong order could only rebuild tensors that fail their hash check: it never installs anything.
+    """
+
+    def __init__(self, max_items: int):
+        self.max_items = max_items
+        self._key: tuple[int, str] | None = None
+        self._orders: "dict[str, np.ndarray] | None" = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self, version: int, manifest_sha256: str, manifest: Manifest, weights: Path) -> None:
+        """Compute the orders of `version` (installed, its weights at `weights`) in the background."""
+        self.stop()
+        numel = sum(_numel(t.shape) for t in manifest.tensors)
+        if not 0 < numel <= self.max_items:
+            return
+        key, stop = (version, manifest_sha256), threading.Event()
+        self._stop = stop
+
+        def work() -> None:
+            from echo2swarm.policy.delta import visit_orders
+
+            with contextlib.suppress(OSError, AttributeError):  # a low priority, for this thread only
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ORDERS_NICE)
+            try:
+                orders = visit_orders(weights_bits(weights), stop=stop.is_set)
+            except (OSError, ValueError, DeltaRefused) as e:  # the version went away (GC), or an odd file
+                logger.debug("visiting orders of v%d not computed: %s", version, e)
+                return
+            if orders is not None:
+                with self._lock:
+                    if not stop.is_set():
+                        self._key, self._orders = key, orders
+
+        self._thread = threading.Thread(target=work, name=f"orders-v{version}", daemon=True)
+        self._thread.start()
+
+    def take(self, version: int, manifest_sha256: str) -> "dict[str, np.ndarray] | None":
+        """The orders of exactly that base, if done; else None (and any computation still running stops)."""
+        with self._lock:
+            if self._key == (version, manifest_sha256):
+                return self._orders
+        self.stop()
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._key, self._orders = None, None
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def check_dense(manifest: Manifest, version_dir: Path) -> None:

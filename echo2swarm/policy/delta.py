@@ -81,14 +81,18 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zstandard
 
-__all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "encode_delta", "max_delta_bytes",
-           "tensor_bits", "tensor_sha256"]
+if TYPE_CHECKING:  # torch is imported where tensors are made: rebuilding in place needs numpy only
+    import torch
+
+__all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "apply_delta_bits", "encode_delta", "max_delta_bytes",
+           "tensor_bits", "tensor_sha256", "visit_orders"]
 
 DELTA_FORMAT = "e2s-delta/1"
 ZSTD_LEVEL = 1
@@ -114,6 +118,8 @@ class DeltaError(ValueError):
 def tensor_bits(t: torch.Tensor) -> np.ndarray:
     """The tensor's bit patterns as a flat unsigned-integer array of its item size (a view when possible)."""
     t = t.detach().contiguous().cpu()
+    import torch
+
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
     return raw.view(_UINT[t.element_size()])
 
@@ -197,8 +203,29 @@ def _visit_order(base_bits: np.ndarray, start: int, stop: int) -> np.ndarray | N
     itemsize = base_bits.dtype.itemsize
     if itemsize == 1:
         return None
-    key = ((base_bits[start:stop] >> base_bits.dtype.type(8 * itemsize - 9)) & base_bits.dtype.type(0xFF))
-    return np.argsort(key.astype(np.uint8), kind="stable")
+    # the cast to uint8 keeps the low 8 bits: (b >> (8*itemsize - 9)) & 0xFF in one pass fewer
+    key = (base_bits[start:stop] >> base_bits.dtype.type(8 * itemsize - 9)).astype(np.uint8)
+    return np.argsort(key, kind="stable")
+
+
+def visit_orders(bits: Mapping[str, np.ndarray], stop: Callable[[], bool] = lambda: False) -> dict[str, np.ndarray] | None:
+    """Every tensor's visiting order, ahead of a delta against these bits (`apply_delta_bits(orders=)`):
+    per tensor of itemsize > 1, each run's item offsets in visiting order, runs concatenated (uint32,
+    numel items: 4 bytes an item). What rebuilding costs most (one stable sort a run) depends on the
+    base alone, so a follower can compute it while it waits for the next version. None: `stop()`
+    turned true (checked between runs)."""
+    out: dict[str, np.ndarray] = {}
+    for name, b in bits.items():
+        if b.dtype.itemsize == 1:
+            continue
+        order = np.empty(b.size, np.uint32)
+        for start in range(0, b.size, RUN_ITEMS):
+            if stop():
+                return None
+            stop_at = min(start + RUN_ITEMS, b.size)
+            order[start:stop_at] = _visit_order(b, start, stop_at)  # type: ignore[assignment]
+        out[name] = order
+    return out
 
 
 def _changes(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -223,10 +250,13 @@ def _changes(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, np
     return np.concatenate(ranks), np.concatenate(indices)
 
 
-def _indices(base_bits: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Item indices of the changes at `ranks` (ascending, < numel) of the visiting order."""
+def _indices(base_bits: np.ndarray, ranks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """Item indices of the changes at `ranks` (ascending, < numel) of the visiting order (`order`: the
+    tensor's `visit_orders` entry, computed ahead)."""
     if base_bits.dtype.itemsize == 1:
         return ranks
+    if order is not None and order.dtype == np.uint32 and order.size == base_bits.size:
+        return order[ranks].astype(np.int64) + (ranks // RUN_ITEMS) * RUN_ITEMS
     out = np.empty(ranks.size, np.int64)
     bounds = np.searchsorted(ranks, np.arange(0, base_bits.size + RUN_ITEMS, RUN_ITEMS))
     for run, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -269,17 +299,28 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
                                     threads=0).compress(content)
 
 
+Layout = Mapping[str, tuple[int, int]]  # tensor name -> (itemsize, numel): all a delta is checked against
+
+
+def _layout(base: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    return {name: (t.element_size(), t.numel()) for name, t in base.items()}
+
+
 def max_delta_bytes(base: Mapping[str, torch.Tensor]) -> int:
     """An upper bound on a valid delta's decompressed size against `base` (header + worst-case payload)."""
+    return _max_delta_bytes(_layout(base))
+
+
+def _max_delta_bytes(layout: Layout) -> int:
     bound = _HEADER.size
-    for name, t in base.items():
-        bound += 2 + len(name.encode()) + _ENTRY.size + t.numel() * (_varint_len(t.numel()) + t.element_size())
+    for name, (itemsize, numel) in layout.items():
+        bound += 2 + len(name.encode()) + _ENTRY.size + numel * (_varint_len(numel) + itemsize)
     return bound
 
 
-def _decompress(base: Mapping[str, torch.Tensor], blob: bytes) -> bytes:
+def _decompress(layout: Layout, blob: bytes) -> bytes:
     """The frame's content: exactly one frame, declaring a content size within the base's bound."""
-    bound = max_delta_bytes(base)
+    bound = _max_delta_bytes(layout)
     try:
         declared = zstandard.get_frame_parameters(blob).content_size
     except zstandard.ZstdError as e:
@@ -301,7 +342,7 @@ def _decompress(base: Mapping[str, torch.Tensor], blob: bytes) -> bytes:
     return raw
 
 
-def _read_table(base: Mapping[str, torch.Tensor], buf: bytes) -> tuple[list[tuple[str, int, int]], int]:
+def _read_table(base: Layout, buf: bytes) -> tuple[list[tuple[str, int, int]], int]:
     if len(buf) < _HEADER.size:
         raise DeltaError("malformed", "delta is shorter than its header")
     magic, version, count = _HEADER.unpack_from(buf, 0)
@@ -327,10 +368,10 @@ def _read_table(base: Mapping[str, torch.Tensor], buf: bytes) -> tuple[list[tupl
             previous = raw_name
             itemsize, numel, n_changed = _ENTRY.unpack_from(buf, pos)
             pos += _ENTRY.size
-            t = base[name]
-            if itemsize != t.element_size() or numel != t.numel():
+            base_itemsize, base_numel = base[name]
+            if itemsize != base_itemsize or numel != base_numel:
                 raise DeltaError("wrong_base", f"{name}: delta for {numel} items of {itemsize} bytes, "
-                                 f"base has {t.numel()} of {t.element_size()}")
+                                 f"base has {base_numel} of {base_itemsize}")
             if n_changed > numel:
                 raise DeltaError("malformed", f"{name}: {n_changed} changes in {numel} items")
             entries.append((name, itemsize, n_changed))
@@ -341,12 +382,31 @@ def _read_table(base: Mapping[str, torch.Tensor], buf: bytes) -> tuple[list[tupl
 
 def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torch.Tensor]:
     """`base` with the delta applied: new tensors (base is not modified). DeltaError if malformed."""
-    raw = _decompress(base, blob)
-    entries, pos = _read_table(base, raw)
+    bits = {name: tensor_bits(t).copy() for name, t in base.items()}
+    apply_delta_bits(bits, blob)
+    import torch
+
+    return {name: torch.from_numpy(bits[name].view(np.uint8)).view(t.dtype).reshape(t.shape)
+            for name, t in base.items()}
+
+
+def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
+                     orders: Mapping[str, np.ndarray] | None = None) -> list[str]:
+    """Apply the delta IN PLACE to the base's bit patterns: `bits` maps every base tensor's name to
+    its flat, writable unsigned array of its item size (e.g. views into a copy of the base's
+    safetensors file). Returns the names of the tensors with at least one change.
+
+    `orders`: `visit_orders(bits)` computed ahead (it must be of these very bits: a wrong order
+    rebuilds wrong tensors, which the caller's hash check then refuses). DeltaError if malformed;
+    then some arrays may be changed already: apply only to a copy.
+    """
+    layout = {name: (a.dtype.itemsize, a.size) for name, a in bits.items()}
+    raw = _decompress(layout, blob)
+    entries, pos = _read_table(layout, raw)
     buf = np.frombuffer(raw, dtype=np.uint8)
     total = sum(n for _, _, n in entries)
     # Gaps >= 1 summing to at most numel: at most numel // 127 continuation bytes per tensor.
-    most = total + sum(base[name].numel() // 127 for name, _, n in entries if n)
+    most = total + sum(layout[name][1] // 127 for name, _, n in entries if n)
     gaps, used = decode_varints(buf[pos:], total, max_bytes=most)
     pos += used
     value_bytes = sum(n * size for _, size, n in entries)
@@ -359,23 +419,24 @@ def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torc
             if size > j:
                 offsets[name, j] = plane_start
                 plane_start += n
-    out: dict[str, torch.Tensor] = {}
+    changed: list[str] = []
     first = 0
     for name, size, n in entries:
-        t = base[name]
-        bits = tensor_bits(t).copy()
-        if n:
-            tensor_gaps = gaps[first:first + n]
-            first += n
-            numel = t.numel()
-            if tensor_gaps.min() == 0 or tensor_gaps.max() > numel:
-                raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-            ranks = np.cumsum(tensor_gaps) - np.uint64(1)
-            if ranks[-1] >= numel or (numel >= 1 << 32 and (np.diff(ranks).astype(np.int64) <= 0).any()):
-                raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-            index = _indices(bits, ranks.astype(np.int64))
-            word_bytes = np.stack([buf[offsets[name, j]:offsets[name, j] + n] for j in range(size)], axis=1)
-            words = np.ascontiguousarray(word_bytes).view(f"<u{size}").reshape(-1).astype(bits.dtype)
-            bits[index] += _unzigzag(words)
-        out[name] = torch.from_numpy(bits.view(np.uint8)).view(t.dtype).reshape(t.shape)
-    return out
+        if not n:
+            continue
+        tensor_bits_ = bits[name]
+        tensor_gaps = gaps[first:first + n]
+        first += n
+        numel = tensor_bits_.size
+        if tensor_gaps.min() == 0 or tensor_gaps.max() > numel:
+            raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
+        ranks = np.cumsum(tensor_gaps) - np.uint64(1)
+        if ranks[-1] >= numel or (numel >= 1 << 32 and (np.diff(ranks).astype(np.int64) <= 0).any()):
+            raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
+        # from the base's bits: before any change
+        index = _indices(tensor_bits_, ranks.astype(np.int64), None if orders is None else orders.get(name))
+        word_bytes = np.stack([buf[offsets[name, j]:offsets[name, j] + n] for j in range(size)], axis=1)
+        words = np.ascontiguousarray(word_bytes).view(f"<u{size}").reshape(-1).astype(tensor_bits_.dtype)
+        tensor_bits_[index] += _unzigzag(words)
+        changed.append(name)
+    return changed

@@ -53,6 +53,11 @@ class FetchError(Exception):
     """A version could not be fetched from any source."""
 
 
+def busy_pause_s(rounds: int) -> float:
+    """Pause before asking busy sources again: random (herds spread out), growing with the rounds, < 2 s."""
+    return random.uniform(0.02, 0.25) * min(rounds, 8)
+
+
 @dataclass
 class _Ban:
     strikes: int  # bans in a row: the next one lasts twice as long
@@ -182,31 +187,44 @@ class PolicyFetcher:
         self, version: int, limit: int, sources: list[ChunkSource], publisher: str | None,
         verify: Callable[[bytes], Manifest],
     ) -> tuple[Manifest, bytes]:
-        last: Exception | None = None
-        for source in sources:
-            if source.name != publisher and self.bans.banned(source.name):
+        # Sources that answer busy (429, 503: a herd of followers that saw the same head at once) are
+        # asked again after a short random pause, until fetch.manifest_timeout_s: not a failed fetch.
+        deadline = time.monotonic() + self.config.manifest_timeout_s
+        rounds = 0
+        while True:
+            last: Exception | None = None
+            only_busy = True
+            for source in sources:
+                if source.name != publisher and self.bans.banned(source.name):
+                    continue
+                try:
+                    data = await source.manifest(version, limit)
+                    return verify(data), data
+                except SourceError as e:
+                    busy = isinstance(e, SourceBusy)
+                    self.stats["source_busy" if busy else "source_error"] += 1
+                    only_busy = only_busy and busy
+                    if isinstance(e, SourceFault):
+                        self.stats[f"source_{e.reason}"] += 1
+                        self._fault(source, e.reason, str(e), publisher)
+                    elif isinstance(e, SourceUnreachable) and source.name != publisher:
+                        self._fault(source, "unreachable", str(e), publisher)
+                    last = e
+                except ManifestError as e:
+                    # A signed head but a bad manifest means the source lies: try the next one.
+                    only_busy = False
+                    self.stats[f"manifest_{e.reason}"] += 1
+                    logger.warning("manifest v%d from %s refused: %s", version, source.name, e)
+                    if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
+                        self._fault(source, "bad_manifest", str(e), publisher)
+                    last = e
+            if only_busy and last is not None and time.monotonic() < deadline:
+                rounds += 1
+                await asyncio.sleep(busy_pause_s(rounds))
                 continue
-            try:
-                data = await source.manifest(version, limit)
-                return verify(data), data
-            except SourceError as e:
-                self.stats["source_error"] += 1
-                if isinstance(e, SourceFault):
-                    self.stats[f"source_{e.reason}"] += 1
-                    self._fault(source, e.reason, str(e), publisher)
-                elif isinstance(e, SourceUnreachable) and source.name != publisher:
-                    self._fault(source, "unreachable", str(e), publisher)
-                last = e
-            except ManifestError as e:
-                # A signed head but a bad manifest means the source lies: try the next one.
-                self.stats[f"manifest_{e.reason}"] += 1
-                logger.warning("manifest v%d from %s refused: %s", version, source.name, e)
-                if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
-                    self._fault(source, "bad_manifest", str(e), publisher)
-                last = e
-        if isinstance(last, ManifestError):
-            raise last
-        raise FetchError(f"no source delivered manifest v{version}: {last}")
+            if isinstance(last, ManifestError):
+                raise last
+            raise FetchError(f"no source delivered manifest v{version}: {last}")
 
     def _keep(self, sha256: str, data: bytes, sink: Assembly | None) -> None:
         self.chunks.put(sha256, data)  # raises ChunkHashError before anything is kept

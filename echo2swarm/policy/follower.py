@@ -1,6 +1,7 @@
-"""Follow the learner: watch its signed head in the DHT, fetch newer versions, install them.
+"""Follow the learner: watch its signed head, fetch newer versions, install them.
 
-    DHT heads, or a head offered by the learner's lease reply
+    DHT heads (every head_poll_s), a head long-polled from the learner's chunk server (at once), or
+    one offered by the learner's lease reply
       ─► TrustAnchor.select ─► verify_head ─► PolicyFetcher (manifest, plan, chunks) ─► VersionStore
                                                    │                            └─► on_version(v, dir)
                                                    └─► InFlight: each verified chunk is re-served at once
@@ -11,12 +12,27 @@ version, then the learner. Peer cards are re-read while a fetch runs, so holders
 meanwhile take load off the learner.
 
 An offered head goes through exactly the same checks as one read from the DHT; it only saves
-the poll interval, which matters when the learner publishes every fraction of a second.
+the poll interval, which matters when the learner publishes every fraction of a second. Once a
+trusted head has named the learner's chunk URL, `_long_poll` keeps one request open there
+(`GET /v1/head?after=<newest seen>&wait=<fetch.head_wait_s>`): the learner answers it when it
+publishes, so a new version is seen within milliseconds rather than half a DHT poll later. Its
+answer is bounded (MAX_HEAD_BYTES) and only offered; an answer that is not newer and came early (a
+server that does not hold it, or a hostile one) is followed by a pause of head_poll_s, so a
+follower asks at most once per head_poll_s or per held answer. A step with an offered head does not
+read the DHT first (the next idle step does, every head_poll_s as before; while heads keep being
+offered, at least every DHT_OVERDUE x head_poll_s).
+
+Manifest, broadcast plan and (when older than holders_refresh_s) the peer cards are fetched at the
+same time. `path_of[v]["spans"]` keeps where a version's time went, in seconds: manifest (with
+plan and cards), path (walking back hash links), chunks, check (rebuild or dense check), commit.
 
 It runs as one task beside the daemon's other work, so whatever the peer does with the version
 it holds (generation, serving chunks) goes on while the next version downloads. Every refused head is
 counted by reason in `refused` and logged, once per distinct (reason, version, signer): a peer
-re-announcing the same bad head every period can neither flood the log nor inflate the counts.
+re-announcing the same bad head every period can neither flood the log nor inflate the counts. A
+head whose version was refused before (its weights matched no path) is skipped, not fetched again,
+and counted in `refused["known_bad"]` once per distinct signed head record (the learner re-signs
+its head at each announcement; a replayed record counts once); at most MAX_SKIP_RECORDS are remembered.
 """
 
 from __future__ import annotations
@@ -36,8 +52,8 @@ from echo2swarm.wire.records import PeerCard
 from echo2swarm.policy.catchup import Linked
 from echo2swarm.policy.installer import Links, VersionInstaller
 from echo2swarm.policy.broadcast_plan import MAX_PLAN_BYTES, BroadcastPlan, PlanError, verify_plan
-from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
-from echo2swarm.policy.sources import ChunkSource, HttpSource, PeerSource, SourceError
+from echo2swarm.policy.fetcher import FetchError, PolicyFetcher, busy_pause_s
+from echo2swarm.policy.sources import ChunkSource, HttpSource, PeerSource, SourceBusy, SourceError
 from echo2swarm.policy.manifest import ChunkRef, ManifestError, verify_head
 from echo2swarm.wire.records import HeadRecord, parse_head
 from echo2swarm.wire.signing import PublicKey
@@ -50,6 +66,9 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 OnVersion = Callable[[int, Path], Awaitable[None]]
+MAX_HEAD_BYTES = 16 * 1024  # a long-polled head's body at most (a head record is under 2 KiB)
+DHT_OVERDUE = 4  # with heads offered (long-poll, lease replies), the DHT is still read every 4 x head_poll_s
+MAX_SKIP_RECORDS = 1024  # distinct skipped head records remembered (for counting `known_bad` once each)
 
 
 class PolicyFollower:
@@ -98,6 +117,10 @@ class PolicyFollower:
         self._logged: set[tuple[str, int, str]] = set()
         self._offered: HeadRecord | None = None
         self._last_dht_poll = float("-inf")
+        self._cards_at = float("-inf")  # when the peer cards were last read
+        self._head_url: str | None = None  # the learner's chunk URL, from its newest trusted head: long-polled
+        self._seen_version = 0  # newest version of a trusted, verified head (what a long-poll asks past)
+        self._skipped: set[tuple[int, int, str]] = set()
         # Peer id of the learner whose trusted head we follow: the only learner a rollout peer works for.
         self.publisher: str | None = None
         self._wake = asyncio.Event()
@@ -150,6 +173,75 @@ class PolicyFollower:
             logger.warning("refused policy head v%d (%s): %s", head.version, error.reason, error)
 
     async def run(self, stop: asyncio.Event) -> None:
+        poller = asyncio.create_task(self._long_poll(stop))
+        try:
+            await self._run(stop)
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+
+    async def _long_poll(self, stop: asyncio.Event) -> None:
+        """Keep one long-poll of the learner's head open; offer what it answers (verified in `step`)."""
+        config = self.fetch_config
+        while not stop.is_set():
+            url, wait = self._head_url, config.head_wait_s
+            if url is None or wait <= 0:
+                await wait_any(stop, timeout=config.head_poll_s)
+                continue
+            after = max(self.held_version or 0, self._seen_version)
+            started = time.monotonic()
+            data = await self._get_head(url, after, wait)
+            newer = data is not None and self._take_polled(data, after)
+            # Held and answered (a new head, or the wait ran out): ask again at once. Answered early
+            # with nothing newer and verified (no long-poll there, an error, a forgery): at the DHT's pace.
+            if not newer and time.monotonic() - started < wait / 2:
+                await wait_any(stop, timeout=config.head_poll_s)
+
+    def _take_polled(self, data: str, after: int) -> bool:
+        """Offer a long-polled head if it is newer than `after` and verifies (signature, swarm, pinned
+        key); count it refused otherwise. True: offered."""
+        try:
+            head = parse_head(json.loads(data))
+        except ValueError:  # RecordError included
+            self.refused["malformed"] += 1
+            return False
+        if head.version <= after or self.trust.key is None:
+            return False
+        try:
+            verify_head(head, trusted=self.trust.key, swarm=self.swarm, held_version=self.held_version)
+        except ManifestError as e:
+            if e.reason != "stale_version":
+                self._refuse(e, head)
+            return False
+        if self._offered is None or head.version > self._offered.version:
+            self._offered = head
+        self._seen_version = max(self._seen_version, head.version)
+        self._wake.set()
+        return True
+
+    async def _get_head(self, url: str, after: int, wait: float) -> str | None:
+        timeout = aiohttp.ClientTimeout(total=wait + self.fetch_config.manifest_timeout_s,
+                                        sock_connect=self.fetch_config.manifest_timeout_s)
+        try:
+            async with self.session.get(f"{url}/v1/head", params={"after": str(after), "wait": f"{wait:g}"},
+                                        timeout=timeout) as resp:
+                if resp.status != 200 or (resp.content_length or 0) > MAX_HEAD_BYTES:
+                    return None
+                body = b""
+                while len(body) <= MAX_HEAD_BYTES and (piece := await resp.content.read(MAX_HEAD_BYTES + 1 - len(body))):
+                    body += piece
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            logger.debug("head long-poll of %s failed: %s", url, e)
+            return None
+        if len(body) > MAX_HEAD_BYTES:
+            return None
+        try:
+            return body.decode()
+        except UnicodeDecodeError:
+            self.refused["malformed"] += 1
+            return None
+
+    async def _run(self, stop: asyncio.Event) -> None:
         failures = 0
         while not stop.is_set():
             try:
@@ -174,9 +266,10 @@ class PolicyFollower:
         heads: list[HeadRecord] = []
         if self._offered is not None:
             heads, self._offered = [self._offered], None
-        # The DHT is read at least every head_poll_s even while lease replies offer heads, so
-        # heads from other keys are still seen (and refused) and a restarted learner is found.
-        if not heads or time.monotonic() - self._last_dht_poll >= self.fetch_config.head_poll_s:
+        # With an offered head the DHT read waits for the next idle step (the version's fetch goes
+        # first), unless it is DHT_OVERDUE x head_poll_s old: heads from other keys are still seen (and
+        # refused) and a restarted learner is found while heads keep being offered.
+        if not heads or time.monotonic() - self._last_dht_poll >= DHT_OVERDUE * self.fetch_config.head_poll_s:
             self._last_dht_poll = time.monotonic()
             heads += (await self.overlay.get_heads())[0]
         head = self.trust.select(heads, self.swarm)
@@ -196,27 +289,48 @@ class PolicyFollower:
                 self._refuse(e, head)
             return None
         assert self.trust.key is not None
+        self._seen_version = max(self._seen_version, head.version)
         self._first_seen.setdefault(head.version, time.monotonic())
-        await self._refresh_cards()
+        if self.installer.refused_before(head.version, head.manifest_sha256):
+            # refused once (its rebuilt weights did not match its own signed hashes): not fetched again
+            record = (head.version, head.published_ms, head.signature[:32])
+            if record not in self._skipped:
+                if len(self._skipped) >= MAX_SKIP_RECORDS:
+                    self._skipped.clear()
+                self._skipped.add(record)
+                self.refused["known_bad"] += 1
+            return None
+        started = time.perf_counter()
         publisher = self._publisher_source(head)
+        if publisher is None:  # no address in the head and no card yet: read the cards first
+            await self._refresh_cards()
+            publisher = self._publisher_source(head)
         if publisher is None:
             raise FetchError(f"v{head.version}: the learner {head.publisher[-8:]} has no reachable card yet")
-        if self.installer.refused_before(head.version, head.manifest_sha256):
-            return None  # refused once (its rebuilt weights did not match its own signed hashes)
+        self._head_url = head.chunk_url or getattr(publisher, "url", None)
         self.fetching_version = head.version
         self.on_state()
-        refresher = asyncio.create_task(self._refresh_while_fetching())
+        refresher: asyncio.Task[None] | None = None
         try:
-            try:
-                manifest, envelope = await self.fetcher.fetch_manifest(
-                    head, self._manifest_sources(head, publisher), trusted=self.trust.key, swarm=self.swarm,
-                    publisher=publisher.name,
-                )
-            except ManifestError as e:
-                self._refuse(e, head)
+            # Manifest and plan at once; stale cards are re-read beside them (the routes read `_cards` as
+            # they are when each chunk is asked for): one round trip before the chunks, not three.
+            refresher = asyncio.create_task(self._refresh_while_fetching(
+                first=time.monotonic() - self._cards_at >= self.fetch_config.holders_refresh_s))
+            fetched, plan = await asyncio.gather(
+                self.fetcher.fetch_manifest(head, self._manifest_sources(head, publisher), trusted=self.trust.key,
+                                            swarm=self.swarm, publisher=publisher.name),
+                self._fetch_plan(head, publisher), return_exceptions=True)
+            if isinstance(plan, BaseException):
+                raise plan
+            if isinstance(fetched, ManifestError):
+                self._refuse(fetched, head)
                 return None
-            self.plan = await self._fetch_plan(head, publisher)
-            path = await self.installer.catch_up(head, publisher, Linked(manifest, envelope))
+            if isinstance(fetched, BaseException):
+                raise fetched
+            manifest, envelope = fetched
+            self.plan = plan
+            spans: Counter[str] = Counter(manifest=time.perf_counter() - started)
+            path = await self.installer.catch_up(head, publisher, Linked(manifest, envelope), spans)
             if path is None:
                 self.on_state()
                 return None
@@ -224,7 +338,8 @@ class PolicyFollower:
             self.on_state()  # the card must stop advertising a fetch that is over
             raise
         finally:
-            refresher.cancel()
+            if refresher is not None:
+                refresher.cancel()
             self.fetching_version = None
         self.held_version = manifest.version
         self.arrival_s[manifest.version] = time.monotonic() - self._first_seen.pop(manifest.version)
@@ -263,10 +378,14 @@ class PolicyFollower:
     async def _refresh_cards(self) -> None:
         cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else ())
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
+        self._cards_at = time.monotonic()
 
-    async def _refresh_while_fetching(self) -> None:
+    async def _refresh_while_fetching(self, first: bool = False) -> None:
+        """Re-read the peer cards every holders_refresh_s while a fetch runs (`first`: at once too)."""
         while True:
-            await asyncio.sleep(self.fetch_config.holders_refresh_s)
+            if not first:
+                await asyncio.sleep(self.fetch_config.holders_refresh_s)
+            first = False
             try:
                 await self._refresh_cards()
             except Exception as e:  # a DHT hiccup must not abort the fetch
@@ -319,8 +438,17 @@ class PolicyFollower:
         if not self.fetch_config.peer_assist:
             return None
         assert self.trust.key is not None
+        deadline, rounds = time.monotonic() + self.fetch_config.manifest_timeout_s, 0
         try:
-            data = await publisher.plan(head.version, MAX_PLAN_BYTES)
+            while True:
+                try:
+                    data = await publisher.plan(head.version, MAX_PLAN_BYTES)
+                    break
+                except SourceBusy:  # the learner's control slots are full (a herd): ask again shortly
+                    rounds += 1
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(busy_pause_s(rounds))
             plan = verify_plan(data, trusted=self.trust.key, swarm=self.swarm, version=head.version, publisher=head.publisher)
         except SourceError as e:
             logger.debug("no broadcast plan for v%d (%s): fetching from holders", head.version, e)

@@ -13,12 +13,13 @@ heads, sources and routes (`Links`).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from echo2swarm.policy.catchup import MAX_CHAIN, DeltaRefused, Hop, Linked, check_dense, choose_path, rebuild
+from echo2swarm.policy.catchup import MAX_CHAIN, BaseOrders, DeltaRefused, Hop, Linked, check_dense, choose_path, rebuild
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
 from echo2swarm.policy.manifest import BaseRef, ChunkRef, DeltaFile, FileEntry, Manifest, ManifestError, sha256_hex
 from echo2swarm.policy.pipeline import InFlight
@@ -59,6 +60,8 @@ class VersionInstaller:
         self.last_path: str | None = None
         self.path_of: dict[int, dict[str, object]] = {}
         self._refused_versions: set[tuple[int, str]] = set()  # (version, manifest sha256) whose rebuild failed
+        # the held version's visiting orders, computed at idle priority for the next delta (catchup.BaseOrders)
+        self.orders = BaseOrders(fetcher.config.delta_order_items)
 
     def refused_before(self, version: int, manifest_sha256: str) -> bool:
         """Whether this exact manifest was refused (its weights matched no path): not fetched again."""
@@ -108,14 +111,18 @@ class VersionInstaller:
                 break
         return chain
 
-    async def catch_up(self, head: HeadRecord, publisher: ChunkSource, target: Linked) -> Path | None:
+    async def catch_up(self, head: HeadRecord, publisher: ChunkSource, target: Linked,
+                       spans: Counter[str] | None = None) -> Path | None:
         """Install the target version by the cheapest path; a refused delta is excluded and we plan
         again (at most 3 times). None: the version is refused (nothing installed, nothing announced)."""
         bad: set[tuple[int, int, str]] = set()
         before = self.fetcher.stats["bytes_fetched"]
+        spans = Counter() if spans is None else spans
         for _ in range(3):
+            planned = time.perf_counter()
             chain = await self._walk_back(head, publisher, target)
             choice = choose_path(chain, self.held(), bad)
+            spans["path"] += time.perf_counter() - planned
             if choice is None:
                 if bad:
                     break
@@ -125,7 +132,7 @@ class VersionInstaller:
             try:
                 path = self.versions.dir(target.manifest.version)
                 for hop in hops:
-                    path = await self._install_hop(head, publisher, hop)
+                    path = await self._install_hop(head, publisher, hop, spans)
             except DeltaRefused as e:
                 self.refused[f"delta_{e.reason}"] += 1
                 logger.warning("refused policy v%d rebuilt via %s (%s): %s; planning without it", hop.linked.manifest.version,
@@ -138,17 +145,22 @@ class VersionInstaller:
             self.last_path = label
             self.paths[label] += 1
             self.path_of[version] = {"path": label, "bytes": self.fetcher.stats["bytes_fetched"] - before,
-                                     "hops": len(hops)}
+                                     "hops": len(hops), "spans": {k: round(v, 3) for k, v in spans.items()}}
             for old in sorted(self.path_of)[:-16]:
                 del self.path_of[old]
+            m = target.manifest
+            if m.weights_file is not None:  # the next delta's base, most likely: sort it while we wait
+                self.orders.start(version, target.sha256, m, path / m.weights_file)
             return path
         self._refused_versions.add((target.manifest.version, target.sha256))
         logger.warning("policy v%d refused: no path rebuilds weights that match its signed tensor hashes",
                        target.manifest.version)
         return None
 
-    async def _install_hop(self, head: HeadRecord, publisher: ChunkSource, hop: Hop) -> Path:
-        """Fetch one hop's chunks, rebuild and check its weights, then install it (a rename)."""
+    async def _install_hop(self, head: HeadRecord, publisher: ChunkSource, hop: Hop, spans: Counter[str]) -> Path:
+        """Fetch one hop's chunks, rebuild and check its weights, then install it (a rename). Adds the
+        seconds its parts took to `spans`: chunks (fetched), check (rebuilt or dense-checked), commit."""
+        started = time.perf_counter()
         m, envelope, delta = hop.linked.manifest, hop.linked.envelope, hop.delta
         if self.versions.installed(m.version):  # another learner's v (a different manifest): replaced
             self.versions.remove(m.version)
@@ -164,23 +176,31 @@ class VersionInstaller:
                     on_chunk=self.inflight.arrived, sink=assembly, publisher=publisher.name, refs=refs,
                 )
                 await asyncio.to_thread(assembly.fill, self.chunks)
-                extra = None
+                fetched = time.perf_counter()
+                spans["chunks"] += fetched - started
                 try:
                     if delta is not None:
                         base = self.versions.manifest(delta.base.version)
                         if base is None:
                             raise DeltaRefused("wrong_base", f"v{m.version}: base v{delta.base.version} is no longer held")
                         blob = (assembly.tmp / delta.file.name).read_bytes()
-                        weights = await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version),
-                                                          base, blob)
                         (assembly.tmp / delta.file.name).unlink()  # the version directory is a plain model dir
-                        extra = {m.weights_file or "model.safetensors": weights}
+                        # written in place in the version being assembled (checked before the rename installs it)
+                        out = assembly.path(m.weights_file or "model.safetensors")
+                        orders = self.orders.take(delta.base.version, delta.base.manifest_sha256)
+                        spans["sorted_ahead"] += orders is not None
+                        await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version), base, blob,
+                                                out, orders)
                     else:
                         await asyncio.to_thread(check_dense, m, assembly.tmp)
                 except DeltaRefused:
                     await asyncio.to_thread(self._drop, files)
                     raise
-                return await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks, extra)
+                checked = time.perf_counter()
+                spans["check"] += checked - fetched
+                path = await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks)
+                spans["commit"] += time.perf_counter() - checked
+                return path
             except BaseException:
                 assembly.abort()  # not awaited: it must run even when this task is being cancelled
                 raise

@@ -1,7 +1,8 @@
 """Chunk serving: signed manifests, broadcast plans and verified chunks, over HTTP or libp2p.
 
     GET /v1/info                       -> JSON: peer id, role, swarm, versions held, counters
-    GET /v1/head                       -> the signed head this peer announces (learner), else 404
+    GET /v1/head[?after=V&wait=S]      -> the signed head this peer announces (learner), else 404; with
+                                          `after` and `wait`, held until it is newer than V (long-poll)
     GET /v1/manifest/{version}         -> the signed manifest envelope, byte for byte as the learner made it
     GET /v1/plan/{version}             -> the learner's signed broadcast plan for that version, else 404
     GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
@@ -12,6 +13,13 @@ routes are served: the daemon's own HTTP server for its operator, which serves t
 
 `ChunkService` is the part both transports share: what may be served, the budgets, the upload
 limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
+
+A follower long-polls the learner's head (`fetch.head_wait_s`, `HeadWatch`): the request is held (at
+most `chunk_server.wait_s`, in the `waiting` budget) until a head newer than `after` is published
+and its broadcast plan is served, then answered with it; at the end of the wait, with the current
+head. The learner's version store wakes the watch when a version is installed; one watcher task
+then re-reads the head until the new one is out. The head is signed by the policy key: whoever
+answers, a follower only takes it as a hint and verifies it like a head read from the DHT.
 
 Only what the store holds is served, and the store only holds verified bytes. A chunk of the
 version this peer is still fetching is served as soon as it is verified: with `wait`, the request
@@ -24,7 +32,7 @@ all clients together and per client (IP address over HTTP, peer id over libp2p):
 
     connections  open HTTP connections; libp2p: requests being answered ("streams")
     control      manifests, plans, /v1/head, /v1/info: a reserve chunk traffic cannot take
-    waiting      chunk requests held for a chunk of the version in flight
+    waiting      chunk requests held for a chunk of the version in flight, and head long-polls
     uploads      chunk bodies being streamed (after any wait: a held request holds no upload slot)
 
 Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`
@@ -39,8 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import os
 import re
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -63,6 +74,110 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
+HEAD_RECHECK_S = 0.02  # after a version is installed: seconds between reads of the head until the new one is out
+HEAD_SETTLE_S = 2.0  # ... for at most this long; then waiters get whatever head there is (no plan, say)
+
+
+class HeadWatch:
+    """Long-polls of the head: `wait_newer(after, timeout)` returns once a head newer than `after` is
+    out and `ready` (its broadcast plan is served, so followers find their parents at once).
+
+    `wake(version)` (from any thread: the version store calls it when it installs a version) marks
+    that version as coming; while anyone waits, one task reads the head every HEAD_RECHECK_S until a
+    ready head of that version (or newer) is out, for at most HEAD_SETTLE_S after the wake (then it
+    takes whatever newer head there is, plan or not), releasing the waiters as each newer head comes
+    out. Otherwise the head is read once when a request comes and once when it is answered.
+
+    >>> watch = HeadWatch(head=lambda: signed_head_json, ready=lambda v: plan(v) is not None)
+    >>> data = await watch.wait_newer(after=6, timeout=10.0)   # v7's head, or the current one at timeout
+    """
+
+    def __init__(self, head: Callable[[], bytes | None], ready: Callable[[int], bool] = lambda version: True):
+        self.head = head
+        self.ready = ready
+        self.version = 0  # the newest ready head's version seen
+        self.waiters = 0
+        self._coming = 0  # the newest version installed (woken for), whose head may not be out yet
+        self._woken_at = float("-inf")
+        self._changed: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._settling: asyncio.Task[None] | None = None
+
+    def _current(self) -> tuple[int, bytes | None]:
+        data = self.head()
+        if data is None:
+            return 0, None
+        try:
+            version = json.loads(data)["version"]
+        except (ValueError, KeyError, TypeError):
+            return 0, data
+        return (version if isinstance(version, int) else 0), data
+
+    def bind(self) -> None:
+        """Attach to the running loop (the server's): `wake` is then safe from any thread."""
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Condition()
+
+    def wake(self, version: int) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._woke, version)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _woke(self, version: int) -> None:
+        self._coming = max(self._coming, version)
+        self._woken_at = time.monotonic()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Watch the head while anyone waits and an installed version's head is not out yet."""
+        pending = self.version < self._coming and time.monotonic() < self._woken_at + HEAD_SETTLE_S
+        if self.waiters and pending and (self._settling is None or self._settling.done()):
+            self._settling = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while self.waiters and self.version < self._coming:
+            version, _ = self._current()
+            settled = time.monotonic() >= self._woken_at + HEAD_SETTLE_S
+            if version > self.version and (settled or self.ready(version)):
+                await self._publish(version)
+            elif settled:
+                return
+            await asyncio.sleep(HEAD_RECHECK_S)
+
+    async def _publish(self, version: int) -> None:
+        self.version = max(self.version, version)
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_newer(self, after: int, timeout: float) -> bytes | None:
+        """The head once its version is above `after` (at once if it is already), else the current
+        head after `timeout` s (None: this peer announces none)."""
+        version, data = self._current()
+        if version > after or self._changed is None or timeout <= 0:
+            return data
+        if version > self.version and self.ready(version):
+            self.version = version  # out and ready already (nobody waited when it came)
+        changed = self._changed
+        self.waiters += 1
+        try:
+            self._settle()  # a version installed just now whose head is not out yet
+            async with changed:
+                await asyncio.wait_for(changed.wait_for(lambda: self.version > after), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.waiters -= 1
+        return self._current()[1]
+
+    async def close(self) -> None:
+        if self._settling is not None:
+            self._settling.cancel()
+            await asyncio.gather(self._settling, return_exceptions=True)
 
 
 class ChunkService:
@@ -219,6 +334,8 @@ class ChunkServer:
         self.config = service.config
         self.info = info
         self.head = head
+        # long-polls of the head: woken when the store installs a version (the learner's publishes)
+        self.head_watch = HeadWatch(head, ready=lambda version: service.plan(version) is not None)
         self.stats = service.stats
         self._connections: dict[object, _Connection] = {}  # aiohttp's RequestHandler -> its client and standing
         self._per_client: Counter[str] = Counter()  # open connections by client, budget or not
@@ -230,7 +347,7 @@ class ChunkServer:
         # allow_head=False: a HEAD answered by these handlers would still stream a body.
         app.router.add_get("/v1/info", self._info, allow_head=False)
         if self.chunks:
-            app.router.add_get("/v1/head", self._head, allow_head=False)
+            app.router.add_get("/v1/head", self._head, allow_head=False, name="head")
             app.router.add_get("/v1/manifest/{version}", self._manifest, allow_head=False)
             app.router.add_get("/v1/plan/{version}", self._plan, allow_head=False)
             app.router.add_get("/v1/chunk/{sha256}", self._chunk, allow_head=False, name="chunk")
@@ -283,7 +400,9 @@ class ChunkServer:
         conn = self._connections.get(request.protocol)
         client = self._client(request)
         past_cap = conn.refusal if conn is not None else None
-        chunk = request.match_info.route.name == "chunk"
+        # a head long-poll is held like a chunk request, outside the control reserve (HeadWatch)
+        chunk = request.match_info.route.name == "chunk" or (request.match_info.route.name == "head"
+                                                             and "wait" in request.query)
         try:
             if chunk and past_cap is not None:
                 self.service.count(past_cap)
@@ -318,7 +437,21 @@ class ChunkServer:
         return web.json_response(body)
 
     async def _head(self, request: web.Request) -> web.Response:
-        data = self.head()
+        if "wait" in request.query:
+            try:
+                wait = float(request.query["wait"])
+                raw_after = request.query.get("after", "0")
+                after = 0 if raw_after == "0" else self._version(raw_after)
+            except ValueError:
+                raise web.HTTPBadRequest(text="wait must be seconds, after a version (0: none)") from None
+            if not math.isfinite(wait):
+                raise web.HTTPBadRequest(text="wait must be a finite number of seconds")
+            wait = min(max(0.0, wait), self.config.wait_s)
+            with self.service.hold(self.service.waiting, self._client(request)):  # Refused: answered by _guard
+                self.stats["head_waited"] += 1
+                data = await self.head_watch.wait_newer(after, wait)
+        else:
+            data = self.head()
         if data is None:
             raise web.HTTPNotFound(text="this peer announces no head")
         return web.Response(body=data, content_type="application/json")
@@ -375,6 +508,8 @@ class ChunkServer:
         self._runner = web.AppRunner(self._app(), access_log=None, handler_cancellation=True,
                                      keepalive_timeout=self.config.idle_timeout_s)
         await self._runner.setup()
+        self.head_watch.bind()
+        self.service.versions.listeners.append(self.head_watch.wake)
         server = self._runner.server
         assert server is not None
         # aiohttp's Server hears of every connection its handlers accept and lose; so do we.
@@ -399,6 +534,9 @@ class ChunkServer:
         return self.port
 
     async def stop(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.service.versions.listeners.remove(self.head_watch.wake)
+        await self.head_watch.close()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -23,7 +23,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from echo2swarm.policy.manifest import FileEntry, Manifest
@@ -32,6 +32,7 @@ from echo2swarm.runtime.logging import get_logger
 logger = get_logger(__name__)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_DIR = re.compile(r"v(\d{8,})")
+_PLAIN_NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
 
 
 @contextlib.contextmanager
@@ -115,6 +116,9 @@ class VersionStore:
     def __init__(self, root: Path):
         self.root = Path(root) / "versions"
         self.root.mkdir(parents=True, exist_ok=True)
+        # Called with the version after each install (from the installing thread): the chunk server's
+        # head long-polls wake on it (policy/server.HeadWatch). A listener must be quick and not raise.
+        self.listeners: list[Callable[[int], None]] = []
 
     def dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -162,9 +166,7 @@ class VersionStore:
             assembly.fill(chunks)
             assembly.close()
             for name, data in (extra or {}).items():
-                if not re.fullmatch(r"(?!\.)[A-Za-z0-9._-]{1,128}", name):
-                    raise ValueError(f"not a plain file name: {name[:80]!r}")
-                (assembly.tmp / name).write_bytes(data)
+                assembly.path(name).write_bytes(data)
             if final.exists():  # a directory without its manifest: a crash before the manifest was written
                 shutil.rmtree(final)
             os.replace(assembly.tmp, final)
@@ -173,6 +175,11 @@ class VersionStore:
             raise
         # The manifest goes last: a version counts as installed only once it is there.
         _atomic_write(self.manifest_path(version), envelope)
+        for listener in list(self.listeners):
+            try:
+                listener(version)
+            except Exception:  # a listener's failure must not undo an install
+                logger.exception("version store listener failed")
         return final
 
     def install(self, manifest: Manifest, envelope: bytes, chunks: ChunkStore,
@@ -227,6 +234,13 @@ class Assembly:
         except BaseException:
             self.abort()
             raise
+
+    def path(self, name: str) -> Path:
+        """Where a file that is not a chunk of the manifest goes (a delta version's rebuilt weights):
+        a plain file name only, so no path from a manifest can leave the version's directory."""
+        if not _PLAIN_NAME.fullmatch(name):
+            raise ValueError(f"not a plain file name: {name[:80]!r}")
+        return self.tmp / name
 
     def write(self, sha256: str, data: bytes) -> None:
         """Place a chunk whose bytes the caller has checked against `sha256` (the signed manifest's)."""

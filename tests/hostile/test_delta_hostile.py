@@ -54,6 +54,8 @@ class Learner:
         self.chunks, self.versions = ChunkStore(root), VersionStore(root)
         self.flip_once: set[str] = set()
         self.flipped: set[str] = set()
+        self.head_answer: bytes | None = None  # what /v1/head answers (at once, whatever it is asked)
+        self.head_asked: list[float] = []  # when /v1/head was asked
         self.overlay: Any = None
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -68,6 +70,7 @@ class Learner:
         app = web.Application()
         app.router.add_get("/v1/manifest/{version}", self._manifest)
         app.router.add_get("/v1/chunk/{sha256}", self._chunk)
+        app.router.add_get("/v1/head", self._head)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -83,6 +86,12 @@ class Learner:
     async def _manifest(self, request: web.Request) -> web.Response:
         data = self.versions.manifest_bytes(int(request.match_info["version"]))
         return web.Response(body=data) if data is not None else web.Response(status=404)
+
+    async def _head(self, request: web.Request) -> web.Response:
+        self.head_asked.append(time.monotonic())
+        if self.head_answer is None:
+            return web.Response(status=404)
+        return web.Response(body=self.head_answer, content_type="application/json")
 
     async def _chunk(self, request: web.Request) -> web.Response:
         sha = request.match_info["sha256"]
@@ -238,12 +247,95 @@ def test_tampered_wrong_base_and_wrong_hash_deltas_are_refused_and_never_served(
         card = json.dumps(_info(relay))
         assert '"fetching_version": 4' not in card
 
-        # Announced again (same bad manifest): not fetched again, still refused, still at v3.
-        loop.run_until_complete(asyncio.sleep(1.0))
-        assert max(_held(relay)) == 3
+        # Announced again (a freshly signed head for the same bad manifest): the relay sees it, skips it
+        # (its own counter of heads refused before, once per signed record) and fetches nothing again.
+        def known_bad() -> int:
+            return _info(relay)["stats"]["refused_heads"].get("known_bad", 0)
+
+        seen = until(known_bad, 30, "the relay to skip v4's head when it reads it again")
+        fetched = _info(relay)["stats"]["fetch"].get("bytes_fetched", 0)
+        time.sleep(0.002)  # the new head's published_ms differs from the last one's
+        loop.run_until_complete(learner.announce(4, sha4, size4))
+        until(lambda: known_bad() > seen, 30, "the relay to skip the re-announced v4")
+        info = _info(relay)
+        assert max(info["versions"]) == 3 and info["stats"]["fetching_version"] is None
+        assert info["stats"]["fetch"].get("bytes_fetched", 0) == fetched  # not one byte of v4 again
+        assert not (relay.state_dir / "versions" / "v00000004").exists()
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(relay.info["http_url"] + "/metrics", timeout=10) as resp:
+            samples = {(s.name, s.labels.get("reason")): s.value
+                       for f in text_string_to_metric_families(resp.read().decode()) for s in f.samples}
+        assert samples[("echo2swarm_policy_heads_refused_total", "known_bad")] >= seen + 1  # in metrics too
     finally:
         loop.run_until_complete(learner.stop())
         pending = asyncio.all_tasks(loop)  # hivemind leaves store/ping tasks behind
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+def test_a_lying_head_long_poll_is_only_a_hint_and_asked_at_the_dht_pace(local_swarm: LocalSwarm, tmp_path: Path):
+    """The relay long-polls /v1/head at the chunk URL of the learner's signed head. A server there that
+    answers at once with a forged head (another key's, for a far newer version), an oversized body or
+    junk gets it counted and refused, never fetched, and is asked at most about once per head_poll_s."""
+    key, other = PolicyKey.generate(), PolicyKey.generate()
+    key.save(tmp_path / "learner.key")
+    local_swarm.bootstrap()
+    assert local_swarm.bootstrap_addr
+    relay = local_swarm.start("relay", "--role", "relay", "--trust", f"{tmp_path / 'learner.key'}.pub", env=FAST_HEAD)
+    local_swarm.ready(relay)
+    learner = Learner(tmp_path / "learner", key, local_swarm.swarm)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(learner.start(local_swarm.bootstrap_addr))
+
+        def until(condition: Any, timeout: float, what: str) -> Any:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                value = condition()
+                if value:
+                    return value
+                loop.run_until_complete(asyncio.sleep(0.1))
+            raise AssertionError(f"timed out waiting for {what}")
+
+        v1 = learner.publish(_states(1)[0], 1, None, None)
+        data = learner.versions.manifest_bytes(1)
+        assert data is not None
+        loop.run_until_complete(learner.announce(1, sha256_hex(data), len(data)))
+        until(lambda: _held(relay) == [1], 90, "the relay at v1")
+        assert v1.version == 1
+
+        # A head for v9 signed by another key, answered at once to every long-poll.
+        from echo2swarm.learner.publisher import PublishedVersion
+
+        forged = Publisher(local_swarm.swarm, other, learner.chunks, learner.versions, CHUNK, learner.overlay.peer_id)
+        learner.head_answer = forged.sign_head(PublishedVersion(9, "ab" * 32, 1000), ttl_s=60,
+                                               chunk_url=learner.url).model_dump_json().encode()
+        until(lambda: _info(relay)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 30,
+              "the relay to refuse the forged long-polled head")
+        asked = len(learner.head_asked)
+        until(lambda: len(learner.head_asked) >= asked + 5, 30, "five more long-polls")
+        spread = learner.head_asked[asked + 4] - learner.head_asked[asked]
+        assert spread >= 4 * 0.2 * 0.7, f"5 long-polls within {spread:.2f} s: answered early, they must wait head_poll_s"
+
+        # An oversized answer and junk: ignored or counted malformed, nothing fetched, still paced.
+        learner.head_answer = b'{"pad": "' + b"x" * (20 * 1024) + b'"}'
+        asked = len(learner.head_asked)
+        until(lambda: len(learner.head_asked) >= asked + 3, 30, "long-polls answered with 20 KiB")
+        malformed = _info(relay)["stats"]["refused_heads"].get("malformed", 0)
+        learner.head_answer = b"not json"
+        until(lambda: _info(relay)["stats"]["refused_heads"].get("malformed", 0) > malformed, 30,
+              "the junk answer counted malformed")
+        info = _info(relay)
+        assert info["versions"] == [1] and info["stats"]["fetching_version"] is None
+        assert "9" not in info["stats"]["fetch_path_of"] and info["stats"]["fetch"].get("manifest_bad_signature", 0) == 0
+    finally:
+        loop.run_until_complete(learner.stop())
+        pending = asyncio.all_tasks(loop)
         for task in pending:
             task.cancel()
         loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))

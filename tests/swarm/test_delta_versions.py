@@ -89,6 +89,7 @@ def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_wei
         wait_until(lambda: held(relay) >= target, 240, interval=0.3, what=f"{name} at v{target} or later")
 
     stats = _info(learner)["stats"]
+    assert stats["server"].get("head_waited", 0) >= 1, stats["server"]  # followers long-poll the head
     kinds = {int(v): r for v, r in stats["versions"].items()}
     assert any(r["kind"] == "delta" for r in kinds.values()), kinds
     assert any(r["kind"] == "dense" and r["keyframe_reason"] == "interval" for r in kinds.values()), kinds
@@ -111,6 +112,9 @@ def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_wei
             compared += 1
         assert compared >= 1, (name, info["versions"])
         paths = info["stats"]["fetch_paths"]
+        # where each install's time went (policy/follower.py): every path fetched chunks and checked them
+        assert all({"manifest", "chunks", "check", "commit"} <= set(p["spans"])
+                   for p in info["stats"]["fetch_path_of"].values()), info["stats"]["fetch_path_of"]
         assert not {k: n for k, n in info["stats"]["refused_heads"].items() if k.startswith("delta_")}, name
         if name == "late":
             assert paths.get("keyframe", 0) >= 1, paths

@@ -170,19 +170,26 @@ def test_a_refused_delta_is_planned_around(published):
     assert choose_path(chain, {6: sha[6]}, bad={(7, 6, primary.file.sha256), (7, 5, composite.file.sha256)}) is None
 
 
-def test_rebuild_is_bit_exact_and_refuses_wrong_bases_and_hashes(published):
+def test_rebuild_is_bit_exact_and_refuses_wrong_bases_and_hashes(published, tmp_path: Path):
     _, chunks, versions, states, _, linked = published
     m7 = linked[7].manifest
     assert m7.delta is not None
     blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
-    weights = rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob)
-    assert weights == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
+    base_before = (versions.dir(6) / WEIGHTS_FILE).read_bytes()
+    out = tmp_path / "rebuilt.safetensors"
+    changed = rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob, out)
+    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
+    assert changed and set(changed) <= {t.name for t in m7.tensors}
+    assert (versions.dir(6) / WEIGHTS_FILE).read_bytes() == base_before  # rebuilt in a copy, never in place
+    out.unlink()
     with pytest.raises(DeltaRefused) as e:  # applied to the wrong base: the hashes cannot match
-        rebuild(m7, m7.delta, versions.dir(4), linked[4].manifest, blob)
+        rebuild(m7, m7.delta, versions.dir(4), linked[4].manifest, blob, out)
     assert e.value.reason == "tensor_hash"
+    assert not out.exists()  # a refused rebuild leaves nothing behind
     with pytest.raises(DeltaRefused) as e:
-        rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob[:-1] + bytes([blob[-1] ^ 1]))
+        rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob[:-1] + bytes([blob[-1] ^ 1]), out)
     assert e.value.reason == "blob_hash"
+    assert not out.exists()
     with pytest.raises(DeltaRefused) as e:
         check_tensors(m7, {"w": states[6]["w"]})
     assert e.value.reason == "tensor_names"
@@ -202,10 +209,72 @@ def test_a_delta_against_an_unrelated_base_is_refused_as_wrong_base(published, t
     (tmp_path / "other").mkdir()
     save_file({"x": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "other" / WEIGHTS_FILE))
     with pytest.raises(DeltaRefused) as e:
-        rebuild(m7, m7.delta, tmp_path / "other", linked[6].manifest, blob)
+        rebuild(m7, m7.delta, tmp_path / "other", linked[6].manifest, blob, tmp_path / "out.safetensors")
     # apply_delta's own label: the base's shape bounds the decompression ("too_large") or the header
     assert e.value.reason in ("wrong_base", "too_large", "malformed")
     assert encode_delta  # the codec is the committed one (policy/delta.py)
+
+
+def test_unchanged_tensors_pass_on_the_base_s_signed_hash_and_are_hashed_when_it_differs(published, tmp_path: Path):
+    """A tensor the delta leaves alone is the base's (checked when the base was installed): the rebuild
+    takes it without hashing when the new manifest signs the same hash as the base's manifest, and
+    refuses a manifest that signs another hash for it."""
+    import hashlib
+
+    _, _, versions, states, _, linked = published
+    m6, m7 = linked[6].manifest, linked[7].manifest
+    assert m7.delta is not None
+    new = {**states[6], "b": states[5]["b"]}  # v7's weights with "b" left as v6 had it
+    blob = encode_delta(states[5], new)
+    delta = m7.delta.model_copy(update={"file": m7.delta.file.model_copy(
+        update={"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)})})
+    honest = m7.model_copy(update={"tensors": [t.model_copy(update={"sha256": tensor_sha256(new[t.name])})
+                                               for t in m7.tensors]})
+    assert {t.name: t.sha256 for t in honest.tensors}["b"] == {t.name: t.sha256 for t in m6.tensors}["b"]
+    out = tmp_path / "rebuilt.safetensors"
+    assert "b" not in rebuild(honest, delta, versions.dir(6), m6, blob, out)
+    from safetensors.torch import load_file
+
+    assert {k: tensor_sha256(t) for k, t in load_file(str(out)).items()} == {k: tensor_sha256(t) for k, t in new.items()}
+    out.unlink()
+    lying = honest.model_copy(update={"tensors": [t.model_copy(update={"sha256": "0" * 64}) if t.name == "b" else t
+                                                  for t in honest.tensors]})
+    with pytest.raises(DeltaRefused) as e:
+        rebuild(lying, delta, versions.dir(6), m6, blob, out)
+    assert e.value.reason == "tensor_hash" and "b" in str(e.value)
+    assert not out.exists()
+
+
+def test_orders_computed_ahead_rebuild_the_same_bytes_and_wrong_ones_are_refused(published, tmp_path: Path):
+    """BaseOrders sorts the held version at idle priority; the rebuild with its orders is the same file.
+    Orders of another version (a bug) rebuild wrong tensors, which the hash check refuses."""
+    import time
+
+    from echo2swarm.policy.catchup import BaseOrders
+
+    _, chunks, versions, _, _, linked = published
+    m6, m7 = linked[6].manifest, linked[7].manifest
+    assert m7.delta is not None
+    blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
+    orders = BaseOrders(max_items=10**6)
+    orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    deadline = time.monotonic() + 30
+    while (ahead := orders.take(6, linked[6].sha256)) is None:
+        assert time.monotonic() < deadline, "orders of v6 never computed"
+        orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)  # take() stopped it: again
+        time.sleep(0.05)
+    assert orders.take(5, linked[5].sha256) is None  # another base: nothing (and the cache is dropped)
+    out = tmp_path / "rebuilt.safetensors"
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead)
+    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
+    out.unlink()
+    wrong = {name: order[::-1].copy() for name, order in ahead.items()}
+    with pytest.raises(DeltaRefused) as e:
+        rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, wrong)
+    assert e.value.reason == "tensor_hash" and not out.exists()
+    small = BaseOrders(max_items=10)  # more items than it may hold: never computed
+    small.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    assert small._thread is None and small.take(6, linked[6].sha256) is None
 
 
 def test_linked_manifests_are_checked_against_the_link(published):
