@@ -45,8 +45,8 @@ def test_two_ranks_train_as_one_process(tiny_model_dir: Path, tmp_path: Path) ->
     """Same batches, 5 steps of 2 x 2 updates with a KL reference and stale groups verified exactly
     against versions 1 and 2: W=2 (micro-batches of 3 sequences spread over the ranks) against W=1 (one
     forward per minibatch)."""
-    one = _run(tiny_model_dir, tmp_path / "w1", 1, {})
-    two = _run(tiny_model_dir, tmp_path / "w2", 2, {"micro_batch_sequences": 3})
+    one = _run(tiny_model_dir, tmp_path / "w1", 1, {"ppo_epochs": 2, "minibatches": 2})
+    two = _run(tiny_model_dir, tmp_path / "w2", 2, {"ppo_epochs": 2, "minibatches": 2, "micro_batch_sequences": 3})
     assert (one["world"], two["world"]) == (1, 2)
     assert len(one["steps"]) == len(two["steps"]) == 5
     for step, (a, b) in enumerate(zip(one["steps"], two["steps"])):
