@@ -262,22 +262,22 @@ def weights_bits(path: Path) -> "dict[str, np.ndarray]":
 
 class BaseOrders:
     """The visiting orders (`delta.visit_orders`) of the version a follower holds, computed ahead at
-    idle priority, so that rebuilding the next delta against it skips the sorts that dominate it.
+    low priority, so that rebuilding the next delta against it skips the sorts that dominate it.
 
     One thread, niced to ORDERS_NICE where the OS allows (Linux: per thread), so it yields to the
-    peer's own work; `take(version, sha)` returns the orders if they are done for that exact version and
-    manifest, else stops the thread (the rebuild sorts for itself at normal priority). Memory: 4
-    bytes per item of the held weights, only when they have at most `max_items` items (0: never).
-    A wrong order could only rebuild tensors that fail their hash check: it never installs anything.
+    peer's own work; it publishes each tensor's order as it completes. `take(version, sha)` stops it
+    and returns the tensors done so far for that exact version and manifest (the rebuild sorts the
+    others itself: nothing computed is wasted), or None for any other base. Memory: 4 bytes per item
+    of the held weights, only when they have at most `max_items` items (0: never). A wrong order
+    could only rebuild tensors that fail their hash check: it never installs anything.
     """
 
     def __init__(self, max_items: int):
         self.max_items = max_items
         self._key: tuple[int, str] | None = None
-        self._orders: "dict[str, np.ndarray] | None" = None
+        self._orders: "dict[str, np.ndarray]" = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def start(self, version: int, manifest_sha256: str, manifest: Manifest, weights: Path) -> None:
         """Compute the orders of `version` (installed, its weights at `weights`) in the background."""
@@ -285,8 +285,8 @@ class BaseOrders:
         numel = sum(_numel(t.shape) for t in manifest.tensors)
         if not 0 < numel <= self.max_items:
             return
-        key, stop = (version, manifest_sha256), threading.Event()
-        self._stop = stop
+        stop, orders = threading.Event(), {}
+        self._key, self._orders, self._stop = (version, manifest_sha256), orders, stop
 
         def work() -> None:
             from echo2swarm.policy.delta import visit_orders
@@ -294,30 +294,22 @@ class BaseOrders:
             with contextlib.suppress(OSError, AttributeError):  # a low priority, for this thread only
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ORDERS_NICE)
             try:
-                orders = visit_orders(weights_bits(weights), stop=stop.is_set)
+                visit_orders(weights_bits(weights), stop=stop.is_set, out=orders)
             except (OSError, ValueError, DeltaRefused) as e:  # the version went away (GC), or an odd file
                 logger.debug("visiting orders of v%d not computed: %s", version, e)
-                return
-            if orders is not None:
-                with self._lock:
-                    if not stop.is_set():
-                        self._key, self._orders = key, orders
 
         self._thread = threading.Thread(target=work, name=f"orders-v{version}", daemon=True)
         self._thread.start()
 
     def take(self, version: int, manifest_sha256: str) -> "dict[str, np.ndarray] | None":
-        """The orders of exactly that base, if done; else None (and any computation still running stops)."""
-        with self._lock:
-            if self._key == (version, manifest_sha256):
-                return self._orders
+        """The tensors' orders done so far for exactly that base (the computation stops); else None."""
+        key, orders = self._key, self._orders
         self.stop()
-        return None
+        return dict(orders) if key == (version, manifest_sha256) else None
 
     def stop(self) -> None:
         self._stop.set()
-        with self._lock:
-            self._key, self._orders = None, None
+        self._key, self._orders = None, {}
 
 
 def _numel(shape: list[int]) -> int:

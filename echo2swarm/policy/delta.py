@@ -208,20 +208,23 @@ def _visit_order(base_bits: np.ndarray, start: int, stop: int) -> np.ndarray | N
     return np.argsort(key, kind="stable")
 
 
-def visit_orders(bits: Mapping[str, np.ndarray], stop: Callable[[], bool] = lambda: False) -> dict[str, np.ndarray] | None:
+def visit_orders(bits: Mapping[str, np.ndarray], stop: Callable[[], bool] = lambda: False,
+                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Every tensor's visiting order, ahead of a delta against these bits (`apply_delta_bits(orders=)`):
     per tensor of itemsize > 1, each run's item offsets in visiting order, runs concatenated (uint32,
     numel items: 4 bytes an item). What rebuilding costs most (one stable sort a run) depends on the
-    base alone, so a follower can compute it while it waits for the next version. None: `stop()`
-    turned true (checked between runs)."""
-    out: dict[str, np.ndarray] = {}
+    base alone, so a follower can compute it while it waits for the next version.
+
+    Tensors are added to `out` (returned) as each is complete; when `stop()` turns true (checked
+    between runs) it returns with the tensors done so far: a rebuild sorts the rest itself."""
+    out = {} if out is None else out
     for name, b in bits.items():
         if b.dtype.itemsize == 1:
             continue
         order = np.empty(b.size, np.uint32)
         for start in range(0, b.size, RUN_ITEMS):
             if stop():
-                return None
+                return out
             stop_at = min(start + RUN_ITEMS, b.size)
             order[start:stop_at] = _visit_order(b, start, stop_at)  # type: ignore[assignment]
         out[name] = order

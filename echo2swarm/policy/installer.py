@@ -188,7 +188,7 @@ class VersionInstaller:
                         # written in place in the version being assembled (checked before the rename installs it)
                         out = assembly.path(m.weights_file or "model.safetensors")
                         orders = self.orders.take(delta.base.version, delta.base.manifest_sha256)
-                        spans["sorted_ahead"] += orders is not None
+                        spans["sorted_ahead"] += bool(orders)  # hops with at least one tensor sorted ahead
                         await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version), base, blob,
                                                 out, orders)
                     else:

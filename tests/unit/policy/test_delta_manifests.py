@@ -246,10 +246,8 @@ def test_unchanged_tensors_pass_on_the_base_s_signed_hash_and_are_hashed_when_it
 
 
 def test_orders_computed_ahead_rebuild_the_same_bytes_and_wrong_ones_are_refused(published, tmp_path: Path):
-    """BaseOrders sorts the held version at idle priority; the rebuild with its orders is the same file.
+    """BaseOrders sorts the held version at low priority; the rebuild with its orders is the same file.
     Orders of another version (a bug) rebuild wrong tensors, which the hash check refuses."""
-    import time
-
     from echo2swarm.policy.catchup import BaseOrders
 
     _, chunks, versions, _, _, linked = published
@@ -258,12 +256,17 @@ def test_orders_computed_ahead_rebuild_the_same_bytes_and_wrong_ones_are_refused
     blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
     orders = BaseOrders(max_items=10**6)
     orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
-    deadline = time.monotonic() + 30
-    while (ahead := orders.take(6, linked[6].sha256)) is None:
-        assert time.monotonic() < deadline, "orders of v6 never computed"
-        orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)  # take() stopped it: again
-        time.sleep(0.05)
-    assert orders.take(5, linked[5].sha256) is None  # another base: nothing (and the cache is dropped)
+    assert orders._thread is not None
+    orders._thread.join(30)  # done: every tensor's order is there
+    ahead = orders.take(6, linked[6].sha256)
+    assert ahead is not None and set(ahead) == {t.name for t in m6.tensors}
+    assert orders.take(6, linked[6].sha256) is None  # taken once: the next rebuild sorts for itself
+    orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    assert orders.take(5, linked[5].sha256) is None  # another base: nothing (and the computation stops)
+    # some tensors sorted ahead, the rest by the rebuild: the same bytes
+    out = tmp_path / "partly.safetensors"
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, {"w": ahead["w"]})
+    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
     out = tmp_path / "rebuilt.safetensors"
     rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead)
     assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
