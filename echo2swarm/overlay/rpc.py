@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgpack
 from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto.p2pd_pb2 import RPCError
 from pydantic import BaseModel, ValidationError
 
 from echo2swarm.runtime.logging import get_logger
@@ -106,29 +107,74 @@ async def serve_unary(
 
 async def serve_client_stream(
     p2p: P2P, name: str, handler: Callable[[AsyncIterator[M | RpcError], str], Awaitable[BaseModel]],
-    request_model: type[M],
+    request_model: type[M], timeout: float = 120.0,
 ) -> None:
-    """The handler gets each streamed message decoded, or the RpcError that message caused."""
+    """The handler gets each streamed message decoded, or the RpcError that message caused.
 
-    async def _handle(stream: AsyncIterator[BytesValue], context: P2PContext) -> BytesValue:
-        peer = context.remote_id.to_base58()
+    hivemind's framing (marker byte, 8-byte length, protobuf; an error marker ends the stream), on a
+    binary stream of our own rather than hivemind's stream handler, for two reasons: each message's
+    length is bounded before it is read, and the client closes first (see overlay/streams.py: p2pd
+    resets a stream its handler side closes first, which over QUIC lost the reply)."""
+
+    async def _handle(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = info.peer_id.to_base58()
 
         async def messages() -> AsyncIterator[M | RpcError]:
-            async for wrapper in stream:
+            while True:
+                wrapper = await asyncio.wait_for(_receive(reader), timeout)
+                if wrapper is None:  # end of stream
+                    return
                 try:
                     yield decode(wrapper, request_model)
                 except RpcError as e:
                     yield e
 
         try:
-            reply = encode(await handler(messages(), peer))
-            _answered(p2p, peer)
-            return reply
-        except Exception as e:
-            logger.exception("%s handler failed", name)
-            return _error(f"internal error: {type(e).__name__}")
+            try:
+                reply = encode(await handler(messages(), peer))
+                _answered(p2p, peer)
+            except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
+                logger.debug("%s stream from %s ended: %s", name, peer[-8:], type(e).__name__)
+                return
+            except RpcError as e:  # a frame over the limit: nothing more is read
+                reply = _error(str(e))
+            except Exception as e:
+                logger.exception("%s handler failed", name)
+                reply = _error(f"internal error: {type(e).__name__}")
+            await P2P.send_protobuf(reply, writer)
+            await asyncio.wait_for(_until_eof(reader), min(timeout, CLOSE_WAIT_S))
+        except Exception as e:  # the caller left
+            logger.debug("%s reply to %s: %s", name, peer[-8:], type(e).__name__)
+        finally:
+            writer.close()
 
-    await p2p.add_protobuf_handler(name, _handle, BytesValue, stream_input=True)
+    await p2p.add_binary_stream_handler(name, _handle)
+
+
+CLOSE_WAIT_S = 60.0
+
+
+async def _receive(reader: asyncio.StreamReader) -> BytesValue | None:
+    """One message of hivemind's framing, its length checked first; None at the end-of-stream marker."""
+    marker = await reader.readexactly(1)
+    size = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if size > MAX_MESSAGE_BYTES + 64:
+        raise RpcError(f"message of {size} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+    data = await reader.readexactly(size)
+    if marker == P2P.ERROR_MARKER:
+        error = RPCError()
+        error.ParseFromString(data)
+        if not error.message:
+            return None
+        raise RpcError(f"remote error: {error.message[:300]}")
+    wrapper = BytesValue()
+    wrapper.ParseFromString(data)
+    return wrapper
+
+
+async def _until_eof(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
+        pass
 
 
 async def call_unary(
@@ -150,20 +196,28 @@ async def call_unary(
 async def call_client_stream(
     p2p: P2P, peer_id: str, name: str, requests: list[BaseModel], response_model: type[M], timeout: float
 ) -> M:
-    async def stream() -> AsyncIterator[BytesValue]:
-        for request in requests:
-            yield encode(request)
+    """Send `requests` on one stream, read the one reply, then close (first: see serve_client_stream)."""
+
+    async def exchange() -> BytesValue | None:
+        _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+        try:
+            for request in requests:
+                await P2P.send_protobuf(encode(request), writer)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+            return await _receive(reader)
+        finally:
+            writer.close()
 
     try:
-        wrapper = await asyncio.wait_for(
-            p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, stream(), BytesValue), timeout
-        )
+        wrapper = await asyncio.wait_for(exchange(), timeout)
     except asyncio.TimeoutError:
         raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} timed out after {timeout:.0f} s") from None
     except RpcError:
         raise
     except Exception as e:
         raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} failed: {type(e).__name__}: {e}") from None
+    if wrapper is None:
+        raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]}: no reply")
     return decode(wrapper, response_model)
 
 
