@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sparse delta versions on real GRPO steps: bytes per version against dense bf16, and catch-up sizes.
 
-    python scripts/bench_delta.py [--lr 1e-6 --lr 1e-5] [--updates 1x1 --updates 2x2] [--versions 10]
+    python scripts/bench_delta.py [--lr 1e-6 --lr 1e-5] [--updates 1x1 --updates 2x1] [--versions 10]
                                   [--hidden 1024 --layers 8 --heads 16] [--json]
 
 Builds a Qwen3-style model of the size asked for (echo2swarm.models.tiny: character tokenizer,
@@ -19,8 +19,8 @@ that same start:
         delta v-1 -> v = encode_delta; apply_delta must rebuild version v bit for bit (asserted)
 
 --updates EPOCHSxMINIBATCHES sets the AdamW updates per version: 1x1 is one update per version (what
-the published measurements of RL post-training count: one optimizer step between versions); 2x2 is
-the trainer's default (train.ppo_epochs = 2, train.minibatches = 2: four updates per version).
+the published measurements of RL post-training count: one optimizer step between versions); 2x1 is
+the trainer's default (train.ppo_epochs = 2, train.minibatches = 1: two updates per version).
 
 Per version it prints the mean reward and the groups with mixed rewards (the ones GRPO learns from),
 the fraction of bf16 values whose bits changed, the dense bytes (safetensors of the bf16 state, what
@@ -329,7 +329,7 @@ def main() -> None:
     parser.add_argument("--updates", action="append",
                         help="EPOCHSxMINIBATCHES: AdamW updates per version (train.ppo_epochs x train.minibatches); "
                              "repeatable (default: 1x1, one update per version as in the published measurements, "
-                             "and 2x2, the trainer's default)")
+                             "and 2x1, the trainer's default)")
     parser.add_argument("--gaps", default="1,2,4,8", help="catch-up gaps measured at the last version")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (intermediate is 2x)")
     parser.add_argument("--layers", type=int, default=8)
@@ -350,7 +350,7 @@ def main() -> None:
     args = parser.parse_args()
     args.lr = args.lr or [1e-6, 1e-5]
     try:
-        args.updates = [tuple(int(x) for x in u.lower().split("x")) for u in (args.updates or ["1x1", "2x2"])]
+        args.updates = [tuple(int(x) for x in u.lower().split("x")) for u in (args.updates or ["1x1", "2x1"])]
     except ValueError:
         parser.error("--updates takes EPOCHSxMINIBATCHES, e.g. 1x1 or 2x2")
     if any(len(u) != 2 or min(u) < 1 for u in args.updates):
