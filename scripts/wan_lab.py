@@ -58,7 +58,11 @@ def main() -> None:
             swarm.bootstrap(boot)
             relay = swarm.start(lab.public_host("relay", mbit, mbit), "relay", "--role", "relay", "--trust", trust)
             relay.wait_ready(90)
-            swarm.initial_peers.append(swarm.public_addr(relay))
+            swarm.initial_peers += swarm.public_addrs(relay)
+            # go-libp2p hole-punches once 4 public peers saw a home's one QUIC mapping: boot, relay, boot2, learner
+            boot2 = swarm.start(lab.public_host("boot2", mbit, mbit), "boot2", "--role", "bootstrap")
+            boot2.wait_ready(90)
+            swarm.initial_peers += swarm.public_addrs(boot2)
             homes = {f"h{i}": lab.home(f"h{i}", args.home_up, args.home_down)[0] for i in range(args.homes)}
             first = next(iter(homes.values()))
             print(swarm.cli(first, "doctor", "--swarm", "wan", "--initial-peers", swarm.initial_peers[0],
@@ -82,6 +86,7 @@ def main() -> None:
                 info = swarm.info(d)
                 reach = info["reachability"]
                 print(f"{name}: {reach['state']} (seen as {reach['observed']}), card maddrs {reach['maddrs']}, "
+                      f"hole-punched {reach.get('holepunch')} to {[p[-8:] for p in reach.get('direct') or {}]}, "
                       f"version {info['version']}, served over libp2p "
                       f"{json.dumps({k[-8:]: v for k, v in info['p2p_served_to'].items()})}, "
                       f"uplink {lab.uplink_bytes(name)} bytes")

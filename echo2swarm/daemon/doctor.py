@@ -214,6 +214,14 @@ async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s:
                 "--host-maddrs /ip4/0.0.0.0/tcp/PORT --announce-maddrs /ip4/PUBLIC_IP/tcp/PORT"
                 if config.overlay.use_auto_relay else "turn --use-auto-relay back on, or forward a port",
             ))
+            # Two NAT'd peers connect directly only by hole punching, which go-libp2p does over QUIC here
+            # (docs/operations.md "Behind NAT"): without a QUIC listen address, transfers stay on relays.
+            quic = [m for m in config.overlay.host_maddrs if m.endswith("/quic-v1")]
+            out.append(Check("hole punching", "ok" if quic else "warn",
+                             f"QUIC listen address {quic[0]}: peers behind NAT can connect directly once four "
+                             "public peers have seen this machine" if quic else
+                             "no QUIC listen address: peers behind NAT reach this machine through relays only",
+                             "" if quic else "add /ip4/0.0.0.0/udp/0/quic-v1 to --host-maddrs (and let UDP out)"))
         if chunk_port is not None:
             if reply.chunk_ok:
                 out.append(Check("chunk server", "ok", f"peers reach it at http://{reply.observed}:{chunk_port}"))

@@ -34,6 +34,7 @@ from echo2swarm.daemon.prometheus import daemon_registry, metrics_route
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
 from echo2swarm.overlay.reachability import DialbackService, ReachabilityTracker, serve_dialback
+from echo2swarm.overlay.streams import stream_paths
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
@@ -156,6 +157,8 @@ class Daemon:
             "state": reach.state, "maddrs": reach.maddrs, "listen": reach.listen, "observed": reach.observed,
             "chunk_url_reachable": reach.chunk_ok, "responder": reach.responder,
             "holepunch": reach.holepunch, "direct": dict(reach.direct),
+            # chunk-stream requests answered per client and connection kind (direct / relayed)
+            "streams": stream_paths(self.ctx.overlay.p2p) if self.ctx is not None else {},
             "clock_skew_s": None if reach.skew_s is None else round(reach.skew_s, 3), "error": reach.last_error,
             "dialback": dict(self.dialback.stats) if self.dialback is not None else {},
         }

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,6 +30,30 @@ from echo2swarm.runtime.logging import get_logger
 logger = get_logger(__name__)
 MAX_FRAME_BYTES = 1024
 _LEN = 4
+
+
+MAX_PATH_PEERS = 256
+# p2p -> peer id -> {"direct": n, "relayed": n}: requests answered per connection kind (relayed: the
+# stream came over a /p2p-circuit connection); /v1/info shows it, the WAN-lab test checks punched paths.
+_PATHS: "weakref.WeakKeyDictionary[Any, OrderedDict[str, dict[str, int]]]" = weakref.WeakKeyDictionary()
+
+
+def _count_path(p2p: Any, peer: str, stream_info: Any) -> None:
+    try:
+        path = "relayed" if "/p2p-circuit" in str(stream_info.addr) else "direct"
+    except Exception:  # an address hivemind cannot print
+        path = "unknown"
+    per_peer = _PATHS.setdefault(p2p, OrderedDict())
+    counts = per_peer.setdefault(peer, {})
+    counts[path] = counts.get(path, 0) + 1
+    per_peer.move_to_end(peer)
+    while len(per_peer) > MAX_PATH_PEERS:
+        per_peer.popitem(last=False)
+
+
+def stream_paths(p2p: Any) -> dict[str, dict[str, int]]:
+    """Bulk-stream requests this node answered, per client peer id and connection kind (direct/relayed)."""
+    return {peer: dict(counts) for peer, counts in _PATHS.get(p2p, {}).items()}
 
 
 class StreamError(Exception):
@@ -83,6 +109,7 @@ async def serve_frames(p2p: P2P, name: str, handler: Handler, timeout: float = 1
         request = None
         try:
             request = await asyncio.wait_for(_read_frame(reader), 10.0)
+            _count_path(p2p, peer, stream_info)
             await asyncio.wait_for(handler(request, peer, out), timeout)
         except StreamError as e:
             logger.info("refused %s request from %s: %s", name.rsplit("/", 1)[-1], peer[-8:], e)

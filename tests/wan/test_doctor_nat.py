@@ -29,6 +29,7 @@ def test_doctor_says_behind_nat_and_that_nothing_needs_doing(lab: WanLab, tmp_pa
         assert "nothing to do" in reach["fix"] and "relay" in reach["fix"]
         assert lab.routers["a"].wan_ip in reach["detail"], "the doctor names the address the swarm sees"
         assert checks["chunk server"]["status"] == "warn" and "libp2p" in checks["chunk server"]["fix"]
+        assert checks["hole punching"]["status"] == "ok" and "quic-v1" in checks["hole punching"]["detail"]
         assert checks["initial peer"]["status"] == "ok" and checks["clock"]["status"] == "ok"
 
         out = swarm.cli(public, *args, "--state-dir", str(tmp_path / "pub"), "--json")

@@ -1,7 +1,9 @@
-"""A swarm over the WAN lab: public bootstrap, learner and relay; one rollout peer in each of two homes
-behind NAT, started with no NAT flags. The peers find out they are behind NAT, take relay slots,
-advertise /p2p-circuit addresses only, and serve each other chunks through the relay. Half way the relay
-is killed: nobody stalls past a lease timeout (the bootstrap relays too), and the cards drop its circuit."""
+"""A swarm over the WAN lab: three public bootstraps, a learner and a relay; one rollout peer in each of two
+homes behind NAT, started with no NAT flags. The peers find out they are behind NAT, take relay slots,
+advertise /p2p-circuit addresses only, hole-punch a direct QUIC connection to each other (four public
+peers, the bootstraps and the relay, observed each home's one UDP mapping before the homes met:
+go-libp2p's condition for DCUtR) and serve each other chunks over it, not through a relay. Half way the relay is killed: nobody stalls past a lease timeout
+(the bootstraps relay too), and the cards drop its circuit."""
 
 from __future__ import annotations
 
@@ -42,11 +44,15 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
     swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
     try:
         boot = swarm.bootstrap(lab.public_host("boot", up_mbit=100, down_mbit=100))
+        for extra in ("boot2", "boot3"):  # 4 public peers with the relay, before any home joins
+            d = swarm.start(lab.public_host(extra, up_mbit=100, down_mbit=100), extra, "--role", "bootstrap")
+            d.wait_ready(90)
+            swarm.initial_peers += swarm.public_addrs(d)
         trust = PolicyKey.load(policy_key).public.text
         relay = swarm.start(lab.public_host("relay", up_mbit=100, down_mbit=100), "relay", "--role", "relay",
                             "--trust", trust)
         relay.wait_ready(90)
-        swarm.initial_peers.append(swarm.public_addr(relay))
+        swarm.initial_peers += swarm.public_addrs(relay)
         homes = {name: lab.home(name, up_mbit=HOME_UP_MBIT, down_mbit=100)[0] for name in ("a", "b")}
         peers = {name: swarm.start(host, f"rollout-{name}", "--role", "rollout", "--trust", trust)  # no NAT flags
                  for name, host in homes.items()}
@@ -106,6 +112,16 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
             assert shares[name] >= 0.25, f"{name} delivered {shares[name]:.0%} of the groups"
             assert "the DHT node runs in client mode" in peers[name].log_path.read_text(), "NAT'd: a DHT client"
         assert sum(across.values()) > 0, f"no chunk went between the two homes: {served}"
+        for name, info in infos.items():  # hole punched: each home holds a direct QUIC connection to the other
+            other = ids["b" if name == "a" else "a"]
+            assert info["reachability"]["holepunch"] == ["quic"], info["reachability"]
+            assert info["reachability"]["direct"].get(other) == "quic", info["reachability"]
+        # ... and the chunk requests between them came over it, not through a relay (the streams' own connection)
+        paths = {name: infos[name]["reachability"]["streams"].get(ids["b" if name == "a" else "a"], {})
+                 for name in peers}
+        print(json.dumps({"chunk_streams_from_the_other_home": paths}))
+        direct, relayed = (sum(p.get(kind, 0) for p in paths.values()) for kind in ("direct", "relayed"))
+        assert direct > 0 and direct > relayed, paths
         assert worst_gap <= LEASE_TIMEOUT_S + 3, f"a step waited {worst_gap:.1f} s after the relay died"
 
 
