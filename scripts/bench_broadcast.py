@@ -37,7 +37,10 @@ bytes fetched for v, and dense/delta in the same run.
 iptables): a fresh lab per (N, mode) with a public bootstrap and learner, N relay receivers of which
 3 of every 4 are in their own home behind a NAT router (N = 2: 1 + 1), every uplink capped by the
 kernel (tbf, --wan-up-mbit) and no --upload-limit; daemons started through the CLI in their
-namespaces with no NAT flags. T_bcast as above (stores on the shared file system); the learner's and
+namespaces with no NAT flags, listening on TCP and QUIC. Homes hole-punch (DCUtR) once four public
+peers observed the same address of theirs: where the public receivers and the bootstrap are fewer
+than four, extra public bootstraps (boot2, ...) join first; the learner publishes once every home's
+card says it punches (or after 60 s). T_bcast as above (stores on the shared file system); the learner's and
 the public relays' uplink bytes are the lab's interface counters. The lab (namespaces, processes) is
 torn down after each run, also on failure or Ctrl-C.
 """
@@ -407,7 +410,9 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
     """One broadcast of v1 inside a fresh WAN lab: public bootstrap and learner, n relay receivers of which
     3 of every 4 sit in their own home behind NAT; every host's uplink capped by the kernel (tbf)."""
     from tests.helpers.wanlab import WanLab
-    from tests.helpers.wanswarm import WanSwarm
+    import contextlib
+
+    from tests.helpers.wanswarm import LAB_HOST_MADDRS, WanSwarm
 
     from echo2swarm.wire.signing import PolicyKey
 
@@ -420,7 +425,7 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
     def start(host: Any, name: str, *extra: str, join: bool = True, follower: bool = False) -> DaemonProcess:
         # As WanSwarm.start, at INFO and a 2 s announce period: 11 daemons share this machine's CPUs.
         peers = ["--initial-peers", ",".join(swarm.initial_peers)] if join else []
-        argv = ["--swarm", SWARM, "--host-maddrs", "/ip4/0.0.0.0/tcp/0", "--chunk-host", "0.0.0.0",
+        argv = ["--swarm", SWARM, "--host-maddrs", LAB_HOST_MADDRS, "--chunk-host", "0.0.0.0",
                 "--announce-period", "2", "--record-ttl", "6", "--log-level", "INFO", *peers, *extra]
         env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
         d = DaemonProcess(name, argv, root / name, wrap=host.wrap, env=env if follower else None)
@@ -431,14 +436,21 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
     try:
         boot = start(lab.public_host("boot", up, down), "bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
         boot.wait_ready(90)
-        swarm.initial_peers = [swarm.public_addr(boot)]
+        swarm.initial_peers = swarm.public_addrs(boot)  # TCP and QUIC: homes join over QUIC (hole punching)
+        # go-libp2p hole-punches only once 4 public peers saw the same address of a home: with fewer public
+        # receivers than 3, more public bootstraps (they upload no model, they relay and serve the DHT).
+        boots = [start(lab.public_host(f"boot{i}", up, down), f"boot{i}", "--role", "bootstrap")
+                 for i in range(2, 2 + max(0, 3 - n_public))]
+        for b in boots:
+            b.wait_ready(90)
+            swarm.initial_peers += swarm.public_addrs(b)
         assist = ["--no-peer-assist"] if mode == "star" else []
         relays = [start(lab.public_host(f"pub{i}", up, down), f"pub{i}", "--role", "relay", "--trust", trust, *assist,
                         follower=True)
                   for i in range(n_public)]
         for r in relays:
             r.wait_ready(120)
-        swarm.initial_peers += [swarm.public_addr(r) for r in relays]
+        swarm.initial_peers += [a for r in relays for a in swarm.public_addrs(r)]
         homes = [start(lab.home(f"h{i}", up, down)[0], f"h{i}", "--role", "relay", "--trust", trust, *assist,
                        follower=True)
                  for i in range(n_nat)]
@@ -455,9 +467,19 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
             return sum(p.get("role") == "relay" and p.get("reachability") != "private" for p in listed) >= n
 
         wait_until(cards, 120, interval=1.0, what=f"{n} relay cards")
+        # Homes hole-punch once four public peers saw the same QUIC mapping of theirs; the learner's plan
+        # reads the cards when it publishes, so wait (bounded) until every home's card says it punches.
         lrn = lab.public_host("lrn", up, down)
+        punch_started = time.monotonic()
+
+        def punched() -> bool:
+            return n_nat < 2 or all(swarm.info(h)["reachability"].get("holepunch") for h in homes)
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(punched, 60, interval=1.0, what="every home to hole-punch")
+        punch_s = time.monotonic() - punch_started
         # the bootstrap is a public peer too: it serves circuit relays for the homes, as the public relays do
-        uplinks = ["lrn", "boot", *(r.name for r in relays), *(f"h{i}" for i in range(n_nat))]
+        uplinks = ["lrn", "boot", *(b.name for b in boots), *(r.name for r in relays), *(f"h{i}" for i in range(n_nat))]
         before = {name: lab.uplink_bytes(name) for name in uplinks}
         learner = start(lrn, "learner", "--role", "learner", "--model", str(model), "--policy-key", str(key),
                         "--chunk-size", args.chunk_size)
@@ -477,13 +499,19 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
             raise RuntimeError(f"wan {mode} N={n}: only {len(done)} of {n} receivers installed v1 in {args.timeout:.0f} s")
         uploads = {name: lab.uplink_bytes(name) - b for name, b in before.items()}
         home_up = [uploads[h.name] for h in homes]
+        reach = [swarm.info(h)["reachability"] for h in homes]
+        home_ids = {h.info["peer_id"] for h in homes}
         return {"mode": mode, "n": n, "public": n_public, "nat": n_nat, "t_bcast_s": max(done.values()),
                 "t_first_s": min(done.values()),
                 "t_bcast_nat_s": max((t for f, t in done.items() if f.parts[-3].startswith("h")), default=None),
-                "learner_uplink_bytes": uploads["lrn"], "bootstrap_uplink_bytes": uploads["boot"],
+                "learner_uplink_bytes": uploads["lrn"],
+                "bootstrap_uplink_bytes": uploads["boot"] + sum(uploads[b.name] for b in boots),
                 "public_relay_uplink_bytes": [uploads[r.name] for r in relays],
                 "home_uplink_bytes": home_up,
-                "reachability": [swarm.info(h)["reachability"]["state"] for h in homes]}
+                "reachability": [r["state"] for r in reach], "holepunch": [r.get("holepunch") for r in reach],
+                "punch_wait_s": punch_s,
+                # home-to-home connections that are direct (hole-punched), counted from both ends
+                "direct_home_links": sum(len(home_ids & set(r.get("direct") or {})) for r in reach)}
     finally:
         try:
             swarm.close()
@@ -516,7 +544,9 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
                   f"learner uplink {row['learner_copies']:.2f} M, public relay(s) "
                   f"{', '.join(f'{c:.2f}' for c in row['public_relay_copies'])} M, bootstrap "
                   f"{row['bootstrap_copies']:.2f} M, homes "
-                  f"{sum(row['home_copies']):.2f} M in all", file=sys.stderr, flush=True)
+                  f"{sum(row['home_copies']):.2f} M in all; homes punching {sum(bool(h) for h in row['holepunch'])}"
+                  f"/{row['nat']} (after {row['punch_wait_s']:.0f} s), direct home links {row['direct_home_links']}",
+                  file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({"wan": True, "model_bytes": model_bytes, "uplink_bytes_per_s": bandwidth, "ideal_s": ideal,
                           "rows": rows}, indent=2))
@@ -524,11 +554,12 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
     print(f"\nWAN lab, M = {format_bytes(model_bytes)}, every uplink B = {args.wan_up_mbit:g} Mbit/s "
           f"(tbf), ideal M/B = {ideal:.2f} s; uplink bytes are the lab's interface counters (all traffic)")
     print(f"{'N':>3} {'NAT':>3} {'mode':>9} {'T_bcast s':>10} {'x M/B':>6} {'first s':>8} {'learner up':>11} "
-          f"{'public relay up':>16} {'bootstrap up':>13} {'homes up (sum)':>15}")
+          f"{'public relay up':>16} {'bootstrap up':>13} {'homes up (sum)':>15} {'punch':>6} {'h-h direct':>10}")
     for r in rows:
         pub = "+".join(f"{c:.2f}" for c in r["public_relay_copies"])
         print(f"{r['n']:>3} {r['nat']:>3} {r['mode']:>9} {r['t_bcast_s']:>10.2f} {r['ratio']:>6.2f} {r['t_first_s']:>8.2f} "
-              f"{r['learner_copies']:>9.2f} M {pub:>14} M {r['bootstrap_copies']:>11.2f} M {sum(r['home_copies']):>13.2f} M")
+              f"{r['learner_copies']:>9.2f} M {pub:>14} M {r['bootstrap_copies']:>11.2f} M {sum(r['home_copies']):>13.2f} M "
+              f"{sum(bool(h) for h in r['holepunch']):>3}/{r['nat']:<2} {r['direct_home_links']:>10}")
     for n in receivers:
         by_mode = {r["mode"]: r for r in rows if r["n"] == n}
         if len(by_mode) == 2:
