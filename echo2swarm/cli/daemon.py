@@ -19,7 +19,7 @@ from echo2swarm.rollout.engines.base import ENGINE_KINDS
 @click.option("--initial-peers", multiple=True, metavar="MADDR",
               help="Multiaddr of a peer in the swarm, /ip4/.../tcp/N/p2p/ID (repeatable).")
 @click.option("--new-swarm", is_flag=True, default=None, help="Start a new swarm (no --initial-peers).")
-@click.option("--host-maddrs", multiple=True, metavar="MADDR", help="Listen multiaddrs. Default: /ip4/0.0.0.0/tcp/0.")
+@click.option("--host-maddrs", multiple=True, metavar="MADDR", help="Listen multiaddrs. Default: /ip4/0.0.0.0/tcp/0 and /ip4/0.0.0.0/udp/0/quic-v1 (QUIC: hole punching behind NAT).")
 @click.option("--announce-maddrs", multiple=True, metavar="MADDR", help="Public multiaddrs to advertise (explicit ports).")
 @click.option("--identity", type=click.Path(dir_okay=False, path_type=Path),
               help="Private key file for a persistent peer id; created if missing.")
