@@ -4,6 +4,7 @@
     python scripts/bench_broadcast.py [--model-bytes 128MiB] [--receivers 1,2,4,8,12]
                                       [--upload-limit 16MiB] [--chunk-size 1MiB] [--png docs/bench_broadcast.png]
     python scripts/bench_broadcast.py --stream 4 --delta [--receivers 8] [--upload-limit 1.5MiB] [--model-bytes 40MB]
+                                      [--delta-only] [--delta-chunk-size 64KiB] [--head-poll-s 2]
     sudo python scripts/bench_broadcast.py --wan [--receivers 2,4,8] [--wan-up-mbit 24] [--model-bytes 32MB]
 
 Real daemons as separate processes on 127.0.0.1: a bootstrap node, N relay peers (they follow
@@ -219,8 +220,14 @@ def learner_toml(path: Path, model: Path, key: Path, keyframe_every: int | None,
     publish = [f'model = "{model}"', f'policy_key = "{key}"', f'chunk_size = "{args.chunk_size}"', 'dtype = "bfloat16"']
     if keyframe_every is not None:
         publish.append(f"keyframe_every = {keyframe_every}")
+    if args.delta_chunk_size:
+        publish.append(f'delta_chunk_size = "{args.delta_chunk_size}"')
     path.write_text("\n".join([
         'role = "learner"', "[publish]", *publish,
+        # On 127.0.0.1 every peer is the same client (one IP): let all 9 followers' head long-polls, and
+        # their manifest and plan requests right after, in at once, as 9 hosts of their own would be.
+        "[chunk_server]", "max_waiting = 64", "max_waiting_per_client = 32", "control_slots = 64",
+        "control_slots_per_client = 32", "max_connections_per_client = 128",
         "[train]", 'task = "arith"', "task_options = { max_operand = 4 }", "steps = 100000", "staleness = 0",
         "publish_every = 1", "prompts_per_step = 4", "group_size = 4", "max_new_tokens = 3", f"lr = {args.lr}",
         "ppo_epochs = 1", "minibatches = 1", "checkpoint_every = 100000", "threads = 1",
@@ -235,7 +242,11 @@ def run_stream(root: Path, model: Path, key: Path, n: int, kind: str, args: argp
     daemons: list[DaemonProcess] = []
     children: set[int] = set()
     limit = ["--upload-limit", str(args.upload_limit)]
-    env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    # Heads reach the followers by their long-poll of the learner (fetch.head_wait_s); the DHT is read at
+    # the default fetch.head_poll_s (2 s), not every 0.2 s: ten daemons polling it cost the 2 cores.
+    env = {"ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    if args.head_poll_s is not None:
+        env["ECHO2SWARM_FETCH__HEAD_POLL_S"] = str(args.head_poll_s)
 
     def start(name: str, *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
         slower = ["--announce-period", "2", "--record-ttl", "6"]
@@ -318,6 +329,11 @@ def run_stream(root: Path, model: Path, key: Path, n: int, kind: str, args: argp
                                             if v in head_at and name in held_at[v]
                                             and (a := s.get("arrival_s", {}).get(str(v))) is not None]),
                 "t_bcast_learner_s": learner_info.get("t_bcast", {}).get(str(v)),
+                # where the relays' fetch+install went (policy/follower.py `spans`), mean over the relays
+                "relay_spans_s": {part: _mean([p["spans"][part] for p in paths if part in p.get("spans", {})])
+                                  for part in ("manifest", "path", "chunks", "check", "commit")},
+                # relays whose rebuild used visiting orders computed ahead (policy/catchup.BaseOrders)
+                "relays_sorted_ahead": sum(bool(p.get("spans", {}).get("sorted_ahead")) for p in paths),
             })
         return {"kind": kind, "n": n, "versions": versions,
                 "relay_cpu_s": sum(cpu_seconds(r.pid) for r in relays) / n, "learner_cpu_s": cpu_seconds(learner.pid)}
@@ -376,7 +392,8 @@ def stream_main(args: argparse.Namespace, tmp_path: Path, key: Path, bandwidth: 
     print(f"\nstream of {args.stream} versions (v2..v{args.stream + 1}), N = {n} relays (+1 rollout peer), "
           f"B = {format_bytes(bandwidth)}/s, dense bf16 M = {format_bytes(dense_bytes)}, M/B = {ideal:.2f} s")
     print(f"{'kind':>5} {'v':>3} {'published':>9} {'T_bcast s':>9} {'first s':>8} {'x M/B':>6} {'head s':>6} "
-          f"{'fetch+inst s':>12} {'learner up':>11} {'relay recv':>11} {'relay path':>10}")
+          f"{'fetch+inst s':>12} {'learner up':>11} {'relay recv':>11} {'relay path':>10}  "
+          f"of fetch+inst: manifest/path/chunks/check/commit s")
     for kind, run in runs.items():
         for v in run["versions"]:
             t = f"{v['t_bcast_s']:.2f}" if v["t_bcast_s"] is not None else f"{v['skipped']} skip"
@@ -386,12 +403,15 @@ def stream_main(args: argparse.Namespace, tmp_path: Path, key: Path, bandwidth: 
             recv = format_bytes(int(v["relay_received_bytes"])) if v["relay_received_bytes"] is not None else "-"
             head = f"{v['relay_head_seen_s']:.2f}" if v["relay_head_seen_s"] is not None else "-"
             inst = f"{v['relay_fetch_install_s']:.2f}" if v["relay_fetch_install_s"] is not None else "-"
+            spans = "/".join(f"{x:.2f}" if x is not None else "-" for x in v["relay_spans_s"].values())
+            spans += f" ({v['relays_sorted_ahead']} sorted ahead)"
             print(f"{kind:>5} {v['version']:>3} {v['kind'] or '-':>9} {t:>9} {first:>8} {ratio:>6} {head:>6} {inst:>12} "
-                  f"{up:>11} {recv:>11} {','.join(v['relay_paths']):>10}")
+                  f"{up:>11} {recv:>11} {','.join(v['relay_paths']):>10}  {spans}")
     for kind, tot in totals.items():
         mean = f"{tot['t_bcast_mean_s']:.2f}" if tot["t_bcast_mean_s"] is not None else "-"
         print(f"{kind}: mean T_bcast {mean} s over {tot['complete']} versions, learner uploaded "
-              f"{format_bytes(tot['learner_upload_bytes'])}, each relay received {format_bytes(int(tot['relay_received_bytes']))}")
+              f"{format_bytes(tot['learner_upload_bytes'])}, each relay received {format_bytes(int(tot['relay_received_bytes']))}"
+              f"; CPU over the whole run: {runs[kind]['relay_cpu_s']:.1f} s a relay, learner {runs[kind]['learner_cpu_s']:.1f} s")
     if "dense_over_delta" in summary:
         d, x = totals["dense"], totals["delta"]
         print(f"dense / delta over the versions whose weights changed ({summary['changed_versions']}): "
@@ -578,6 +598,8 @@ def main() -> None:
                         help="T_bcast of a stream of V versions (after v1) trained by a real learner, dense")
     parser.add_argument("--delta", action="store_true",
                         help="with --stream: run the same stream with delta versions too (dense first, then delta)")
+    parser.add_argument("--delta-only", action="store_true",
+                        help="with --stream: only the delta run (to work on the delta side; no dense/delta ratio)")
     parser.add_argument("--wan", action="store_true",
                         help="star vs pipelined inside the WAN lab (root, ip netns, tc, iptables): kernel-capped "
                         "uplinks, 3 of every 4 receivers in homes behind NAT (default N 2,4,8, M 32MB)")
@@ -587,6 +609,11 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=15,
                         help="with --stream: supervised warm-up steps of the model, so GRPO groups have mixed rewards")
     parser.add_argument("--chunk-size", default="1MiB", help="learner chunk size (default 1MiB)")
+    parser.add_argument("--delta-chunk-size", default=None,
+                        help="with --stream: the learner's publish.delta_chunk_size (default: the config's, 64KiB)")
+    parser.add_argument("--head-poll-s", type=float, default=None,
+                        help="with --stream: the followers' fetch.head_poll_s (default: the config's, 2 s; heads "
+                        "come by long-poll)")
     parser.add_argument("--parallel-chunks", type=int, default=4, help="chunks in flight per fetcher (default 4)")
     parser.add_argument("--modes", default="star,pipelined", help="comma-separated: star, pipelined")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one broadcast may take")
@@ -600,11 +627,11 @@ def main() -> None:
     # background job may inherit SIGINT ignored; SIGTERM would otherwise end Python without unwinding).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.delta and not args.stream:
-        parser.error("--delta needs --stream V")
+    if (args.delta or args.delta_only) and not args.stream:
+        parser.error("--delta and --delta-only need --stream V")
     if args.stream is not None and not 1 <= args.stream <= 9:
         parser.error("--stream V: 1..9 versions (the delta run's default keyframe_every 10 keeps v2..v10 deltas)")
-    args.stream_kinds = ["dense", "delta"] if args.delta else ["dense"]
+    args.stream_kinds = ["delta"] if args.delta_only else ["dense", "delta"] if args.delta else ["dense"]
     stream = args.stream is not None
     if args.wan and stream:
         parser.error("--wan and --stream are separate runs")
