@@ -349,7 +349,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model_dir: Pat
                        [[-1e30] * len(c) for c in honest[0].completions], honest[0].finish_reasons, "mallory",
                        rewards=[1.0] + [0.0] * 7)
     before = state(lab.trainer)
-    with caplog.at_level(logging.ERROR, logger="echo2swarm.learner.trainer"):
+    with caplog.at_level(logging.ERROR, logger="echo2swarm.learner.updates"):
         stats = lab.trainer.step(honest[1:] + [absurd], current_version=1)
     assert stats["skipped_nonfinite"] == 1 and not math.isfinite(stats["loss"])
     assert lab.trainer.skipped_nonfinite == 1
