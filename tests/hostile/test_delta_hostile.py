@@ -33,6 +33,17 @@ FAST_HEAD = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__RETRY_BA
 CHUNK = 64 * 1024
 
 
+
+def _until_in(loop: asyncio.AbstractEventLoop, condition: Any, timeout: float, what: str) -> Any:
+    """Wait for `condition` while `loop` runs (the in-process learner's chunk server answers only then)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        loop.run_until_complete(asyncio.sleep(0.1))
+    raise AssertionError(f"timed out waiting for {what}")
+
 def _states(n: int) -> list[dict[str, torch.Tensor]]:
     """n versions of a small bf16 'model': each a few percent of values moved from the one before."""
     g = torch.Generator().manual_seed(0)
@@ -183,14 +194,7 @@ def test_tampered_wrong_base_and_wrong_hash_deltas_are_refused_and_never_served(
         loop.run_until_complete(learner.start(local_swarm.bootstrap_addr))
 
         def until(condition: Any, timeout: float, what: str) -> Any:
-            """Wait while the learner's loop runs (its chunk server answers only then)."""
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                value = condition()
-                if value:
-                    return value
-                loop.run_until_complete(asyncio.sleep(0.2))
-            raise AssertionError(f"timed out waiting for {what}")
+            return _until_in(loop, condition, timeout, what)
 
         def announce(base: DeltaBase) -> None:
             data = learner.versions.manifest_bytes(base.version)
@@ -294,13 +298,7 @@ def test_a_lying_head_long_poll_is_only_a_hint_and_asked_at_the_dht_pace(local_s
         loop.run_until_complete(learner.start(local_swarm.bootstrap_addr))
 
         def until(condition: Any, timeout: float, what: str) -> Any:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                value = condition()
-                if value:
-                    return value
-                loop.run_until_complete(asyncio.sleep(0.1))
-            raise AssertionError(f"timed out waiting for {what}")
+            return _until_in(loop, condition, timeout, what)
 
         v1 = learner.publish(_states(1)[0], 1, None, None)
         data = learner.versions.manifest_bytes(1)
