@@ -15,7 +15,7 @@ import pytest
 
 from echo2swarm.config.models import ChunkServerConfig
 from echo2swarm.learner.publisher import Publisher
-from echo2swarm.policy.server import ChunkServer, ChunkService
+from echo2swarm.policy.server import HEAD_RECHECK_S, ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.wire.signing import PolicyKey
 
@@ -57,6 +57,19 @@ async def _serve(tmp_path: Path, **config: object) -> tuple[Learner, ChunkServer
     return learner, server, f"http://127.0.0.1:{port}"
 
 
+async def _until_held(server: ChunkServer, timeout: float = 2.0) -> None:
+    """Until the server holds a long-poll (asserted within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while not server.head_watch.waiters:
+        assert time.monotonic() < deadline, "the long-poll was never held"
+        await asyncio.sleep(0.01)
+
+
+# A head that must stay held is checked after ten of the watch's rechecks of the head (a negative
+# check: the window is how long a wrong early answer would have had to show).
+HELD_WINDOW_S = 10 * HEAD_RECHECK_S
+
+
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes, float]:
     started = time.monotonic()
     async with session.get(url) as resp:
@@ -72,24 +85,20 @@ def test_a_long_poll_is_answered_when_a_newer_version_is_installed_and_planned(t
                 status, body, took = await _get(session, f"{url}/v1/head?after=0&wait=10")
                 assert status == 200 and json.loads(body)["version"] == 1 and took < 2  # newer already: at once
                 poll = asyncio.create_task(_get(session, f"{url}/v1/head?after=1&wait=10"))
-                for _ in range(200):  # until the request is held
-                    if server.head_watch.waiters:
-                        break
-                    await asyncio.sleep(0.01)
+                await _until_held(server)
                 assert server.head_watch.waiters == 1 and not poll.done()
                 # installed first; the head and the plan come out a moment later (the learner plans after)
                 await asyncio.to_thread(learner.publish, 2, True, False)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(HELD_WINDOW_S)
                 assert not poll.done()
                 learner.out(2)
                 status, body, took = await asyncio.wait_for(poll, 5)
                 assert status == 200 and json.loads(body)["version"] == 2 and took < 5
                 # and again for the next version (the watch follows every install, not just the first)
                 poll = asyncio.create_task(_get(session, f"{url}/v1/head?after=2&wait=10"))
-                while not server.head_watch.waiters:
-                    await asyncio.sleep(0.01)
+                await _until_held(server)
                 await asyncio.to_thread(learner.publish, 3, True, False)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(HELD_WINDOW_S)
                 learner.out(3)
                 status, body, took = await asyncio.wait_for(poll, 5)
                 assert status == 200 and json.loads(body)["version"] == 3 and took < 5
@@ -107,10 +116,9 @@ def test_a_head_without_its_plan_is_held_back_until_the_plan_is_served(tmp_path:
             learner.publish(1)
             async with aiohttp.ClientSession() as session:
                 poll = asyncio.create_task(_get(session, f"{url}/v1/head?after=1&wait=10"))
-                while not server.head_watch.waiters:
-                    await asyncio.sleep(0.01)
+                await _until_held(server)
                 await asyncio.to_thread(learner.publish, 2, False)  # installed and the head, no plan yet
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(HELD_WINDOW_S)
                 assert not poll.done()  # followers would find no plan: not told yet
                 learner.plans.add(2)
                 status, body, _ = await asyncio.wait_for(poll, 5)
@@ -145,8 +153,7 @@ def test_long_polls_are_bounded_by_the_waiting_budget_and_malformed_ones_refused
             learner.publish(1)
             async with aiohttp.ClientSession() as session:
                 held = asyncio.create_task(_get(session, f"{url}/v1/head?after=1&wait=1"))
-                while not server.head_watch.waiters:
-                    await asyncio.sleep(0.01)
+                await _until_held(server)
                 status, _, took = await _get(session, f"{url}/v1/head?after=1&wait=1")
                 assert status == 429 and took < 0.9  # the client's share of held requests is taken: at once
                 assert server.stats["refused_waiting_per_client"] == 1
