@@ -7,74 +7,88 @@
 A delta is exact: it compares bit patterns, not values (so -0.0 vs 0.0 and NaN payloads are
 changes like any other), and rebuilding gives the same bytes as the learner's dense tensor.
 
-Format "e2s-delta/1": one zstandard frame (level `ZSTD_LEVEL` = 1, single-threaded, content size in
+Format "e2s-delta/2": one zstandard frame (level `ZSTD_LEVEL` = 1, single-threaded, content size in
 the frame header, no checksum) whose content is, all integers little-endian:
 
-    header     "E2SD" | u16 version = 1 | u32 n_tensors
-    table      per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
-                 u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel | u64 n_changed
-    positions  for each tensor in table order, for each changed item in visiting order (below): the
-               gap between its rank in the visiting order and the previous changed item's (the first
-               counts from -1, so every gap is >= 1) as an unsigned LEB128 varint in its shortest form
-               (7 bits a byte, low bits first, high bit set on every byte but the last)
-    values     itemsize byte planes: plane j (j = 0 .. 7) holds byte j (little-endian) of the value
-               word of every change of every tensor whose itemsize > j, tensors in table order,
-               changes in visiting order; planes in ascending j
-    nothing after the last plane.
+    header     "E2SD" | u16 version = 2 | u32 n_tensors
+    tensors    per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
+                 u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel
+    classes    per class of the base (below), in class order: u8 mode | u8 width | u8 escapes | u64 n_changed
+    bitmap     for each class of mode 0 (BITMAP), in class order: one bit per item of the class, in its
+               visiting order, 1 = changed; the classes' bits follow each other without padding, packed
+               low bit first (bit i of the section is bit i % 8 of its byte i // 8); the last byte's
+               unused bits are 0
+    values     for each class with n_changed > 0, in class order: one `width`-bit field per change, in
+               visiting order. Width 1, 2 or 4: 8 / width fields a byte, low bits first (field i of the
+               class is bits width*(i % (8/width)) .. of its byte i // (8/width)), the class's last byte
+               zero-padded; width 8, 16, 32 or 64: width/8 byte planes, plane j (j = 0 first) holding
+               byte j of every field (little-endian)
+    gaps       for each class of mode 1 (GAPS_CHANGED), n_changed varints; of mode 2 (GAPS_UNCHANGED),
+               items - n_changed varints; classes in class order: the gaps between the ranks (in the
+               class's visiting order) of its changed (mode 1) or unchanged (mode 2) items, the first
+               counting from -1 (every gap >= 1), as unsigned LEB128 varints in their shortest form (7
+               bits a byte, low bits first, the high bit set on every byte but the last)
+    overflow   for each class with escapes = 1, in class order: for each of its fields equal to
+               2^width - 1, in visiting order, (value - (2^width - 1)) as an itemsize-byte integer; the
+               class's overflows as itemsize byte planes (byte j of every overflow, j = 0 first)
+    nothing after the last section.
 
-Visiting order of a tensor's items (flat, row-major): runs of `RUN_ITEMS` = 2^20 consecutive items
-(the last run may be shorter), in index order; within a run, items by ascending key and, for equal
-keys, ascending index. The key of an item is read from the BASE's bit pattern b (an unsigned
-itemsize-byte integer): (b >> (8*itemsize - 9)) & 0xFF, the 8 bits below the sign bit (bf16's and
-fp32's exponent); for itemsize 1 every key is 0 (plain index order). The decoder knows the base, so it
-rebuilds the order; grouping items by exponent groups them by their chance of changing (a step of
-about lr changes a bf16 value with a probability of roughly lr / ulp, and the ulp doubles with each
-exponent), which the gaps and the values' entropy coder then see.
+Classes and visiting order: a class is a pair (itemsize, key) such that at least one item of the base's
+tensors of that item size has that key; classes in ascending itemsize, then ascending key. The key of an
+item is read from the BASE's bit pattern b (an unsigned itemsize-byte integer): (b >> (8*itemsize - 9))
+& 0xFF, the 8 bits below the sign bit (bf16's and fp32's exponent); for itemsize 1 every key is 0. A
+class's items, in visiting order: tensors in table order, within a tensor ascending index (flat,
+row-major); an item's rank is its place in that order (from 0), `items` their number. The decoder knows
+the base, so it knows every class, its items and their order: only which of them changed, and how, is sent.
 
-The value word of a change is zigzag(d), d = new_bits - base_bits modulo 2^(8*itemsize) read as a
-signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift),
-so a one-ulp step up or down (the common change at small learning rates) is the word 2 or 1 and the
-sign/exponent byte of a change is almost always zero. Every table entry says the base's numel and
-itemsize for that name, and n_changed <= numel. The zstandard bytes are libzstd's at that level; any
-implementation that writes the same content rebuilds the same tensors, and a version's hashes cover
-the resulting tensors, not the frame.
+The value of a change is z = zigzag(d) - 1, d = new_bits - base_bits modulo 2^(8*itemsize) read as a
+signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift): z =
+0, 1, 2, 3 .. for d = -1, +1, -2, +2 .. (one ulp down, one up: the common changes at small learning
+rates). With escapes = 0 a field is z; with escapes = 1 (only where width < 8*itemsize) a field of
+2^width - 1 means z = 2^width - 1 + its overflow, any other field is z. The new bits are base_bits +
+unzigzag(z + 1) modulo 2^(8*itemsize). A decoder refuses: a mode other than 0-2, a width not in 1, 2,
+4, .., 64 or wider than the item, escapes other than 0/1 or 1 at the item's full width, n_changed >
+items, a bitmap whose set bits differ from n_changed, padding bits that are not 0, a gap of 0 or a rank
+>= items, a varint not in shortest form, a z of 2^(8*itemsize) - 1 or more (no change, or past the
+item's bits), and bytes after the last section.
+
+What the encoder chooses (any choice rebuilds the same tensors; the bytes here are this encoder's):
+mode BITMAP where the class's changed fraction p is inside `BITMAP_BAND` = (0.15, 0.85), else
+GAPS_CHANGED (p <= 0.15) or GAPS_UNCHANGED (p >= 0.85), the one with fewer gaps; the width whose fields
+and overflow compress smallest at the level, among the narrowest width that holds every z of the class
+and each narrower one (with escapes) at which at most a quarter of them escape; and zstd's bytes at that
+level are libzstd's. A version's hashes cover the resulting tensors, not the frame.
 
 Why this layout: measured by scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained by
-GRPOTrainer (fp32 master, AdamW, bf16 publish; the tables are in docs/benchmarks.md, "Delta
-versions"). On the v9 -> v10 delta at lr 1e-6, one AdamW update per version (1.59 % of the 69.3M
-bf16 values changed; dense 138.56 MB), 2-core VM under load:
+GRPOTrainer (fp32 master, AdamW, bf16 publish, two updates a version; docs/benchmarks.md, "Delta
+versions"). Under AdamW a step is about lr whatever the weight's size, so a bf16 value changes with a
+probability of roughly step / ulp, and the ulp doubles with each exponent: at lr 1e-5 the classes run
+from 98 % changed (exponent -14) to 2.6 % (-5); at lr 1e-6, v9 -> v10, from 60 % to 0.1 %. The
+follower knows every item's class, so the floor is the entropy given the class, measured on the real
+deltas (bits per changed value; the bench's --compare table):
 
-    layout (zstd level)                                          bytes  dense/x  B/changed  enc s  dec s
-    index order, per tensor [gaps | XOR words] (3; first draft)  1688012   82.1x    1.537
-    index order, gaps + XOR words interleaved (1)                1683678   82.3x    1.533
-    index order, gaps + XOR words in byte planes (1)             1543029   89.8x    1.405
-    index order, gaps + new values in byte planes (1)            2696090   51.4x    2.454
-    index order, gaps + zigzag differences interleaved (1)       1537160   90.1x    1.399
-    index order, gaps + zigzag differences in byte planes (1)    1427202   97.1x    1.299
-    index order, bitmap + zigzag differences in planes (1)       2030160   68.3x    1.848
-    exponent order, gaps + XOR words in byte planes (1)          1259705  110.0x    1.147
-    exponent order, gaps + zigzag planes, frame per stream (1)   1105790  125.3x    1.007
-    exponent order, gaps + zigzag planes, frame per tensor (1)   1128099  122.8x    1.027
-    THIS FORMAT (1)                                              1106861  125.2x    1.008   0.86   0.73
-    this layout at zstd 3 / 9 / 19                     1123837 / 1096488 / 1077777          1.22 / 1.05 / 2.93
-    order-0 entropy of gaps + values: index / exponent order     1269080 / 1073676 (no table)
+                                      lr 1e-5 v9->v10 (16.5 % changed)     lr 1e-6 v9->v10 (3.0 %)
+    H(changed) + H(d), no context           6.26  (15.5x dense bf16)
+    H(changed | key) + H(d | key)           4.60  (21.1x)                       (90.7x)
+    e2s-delta/1 (gaps of all classes
+      in one stream, zigzag byte planes)    5.76  (16.9x)                        (72.5x)
+    THIS FORMAT                             4.68  (20.75x)                       (85.8x)
 
-So: differences beat XOR words (a one-ulp step is +-1, 1 bit of sign, where its XOR is a run of
-trailing ones) and new values (8+ bits); byte planes put the all-but-always-zero high bytes
-together; gaps beat a bitmap at 1.6 % and at 10 % changed (a bitmap won only at 24 %, in index
-order); visiting items by the base's exponent (the decoder knows it) cuts the positions' entropy
-from 7.4 to 5.0 bits per change, measured, the largest single gain; zstd level 1 is within 2-3 %
-of levels 3 and 9 and the fastest (19 saves 3 % at 3.4x the time, 9 % at 8x at lr 1e-5); separate
-frames per stream or per tensor gain nothing. The whole delta is within 3 % of the order-0 entropy
-of its gaps and values. At lr 1e-5 (10 % changed) the same format gives 0.78 bytes per changed
-value. Encode and decode are numpy throughout: one stable argsort of uint8 keys per run of 2^20
-items dominates at low densities (~0.5-0.9 s each way for 69M values on this loaded 2-core VM).
+(adding the tensor, the sign, the mantissa's top bits, per-row or per-column change rates to the key
+lowers the floor by under 1 %, or by less than the side information costs). The gains over
+e2s-delta/1: a class whose changes are dense (15-85 %) codes a packed bitmap, whose bytes zstd's
+Huffman stage codes at ~1 % over the class's entropy, where gaps of mixed classes cost 17 % more; a
+class nearly all changed codes the gaps of the few unchanged; and values packed at the class's own
+width (one bit a change where every change is one ulp: the sign alone) cost 1.06x their conditional
+entropy where zigzag byte planes cost 1.4x (a byte symbol costs zstd's Huffman at least a bit).
 
-Pure: no network, no disk, no per-item Python loops (numpy throughout). Every length is bounded by
-what the base tensors say: the frame must declare its content size, at most `max_delta_bytes(base)`,
-before anything is decompressed; the positions stream may take at most n_changed + numel // 127
-bytes per tensor (what gaps summing to at most numel need). A hostile blob costs at most those
-allocations and raises DeltaError (`reason`: "malformed", "format", "wrong_base" or "too_large").
+Pure: no network, no disk, no per-item Python loops (numpy throughout; loops run per class and per run of
+`RUN_ITEMS` items). Every length is bounded by what the base tensors say: the frame must declare its
+content size, at most `max_delta_bytes(base)`, before anything is decompressed; every section's size
+follows from the class table (whose counts are at most the classes' items) except the gaps', which may
+take at most their count + items // 127 bytes a class (what gaps summing to at most items need). A hostile
+blob costs at most those allocations and raises DeltaError (`reason`: "malformed", "format",
+"wrong_base" or "too_large"). Older formats are not read (e2s-delta/1 is refused as "format").
 """
 
 from __future__ import annotations
@@ -94,16 +108,21 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: rebuilding in pla
 __all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "apply_delta_bits", "encode_delta", "max_delta_bytes",
            "tensor_bits", "tensor_sha256", "visit_orders"]
 
-DELTA_FORMAT = "e2s-delta/1"
+DELTA_FORMAT = "e2s-delta/2"
 ZSTD_LEVEL = 1
-RUN_ITEMS = 1 << 20  # items per run of the visiting order
+RUN_ITEMS = 1 << 20  # items a stable sort of keys covers at once (`visit_orders`); no part of the format
+BITMAP_BAND = (0.15, 0.85)  # the encoder codes a class's positions as a bitmap when its changed fraction is inside
+BITMAP, GAPS_CHANGED, GAPS_UNCHANGED = 0, 1, 2  # position modes of a class
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # value field widths in bits
+_MAX_ESCAPED = 0.25  # the encoder tries widths with escapes only where at most this fraction escapes
 _MAGIC = b"E2SD"
-_VERSION = 1
+_VERSION = 2
 _HEADER = struct.Struct("<4sHI")
-_ENTRY = struct.Struct("<BQQ")
+_ENTRY = struct.Struct("<BQ")
+_CLASS = struct.Struct("<BBBQ")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-_MAX_VARINT = 9  # 63 bits: any gap within a tensor of fewer than 2^63 items
+_MAX_VARINT = 9  # 63 bits: any gap within a class of fewer than 2^63 items
 _VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)  # len(v) = 1 + #limits <= v
 
 
@@ -231,44 +250,70 @@ def visit_orders(bits: Mapping[str, np.ndarray], stop: Callable[[], bool] = lamb
     return out
 
 
-def _changes(old_bits: np.ndarray, new_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ranks in visiting order, item indices) of the changed items, in visiting order."""
-    ranks, indices = [], []
-    for start in range(0, old_bits.size, RUN_ITEMS):
-        stop = min(start + RUN_ITEMS, old_bits.size)
-        changed = old_bits[start:stop] != new_bits[start:stop]
-        if not changed.any():
-            continue
-        order = _visit_order(old_bits, start, stop)
-        if order is None:
-            rank = np.flatnonzero(changed)
-            index = rank
-        else:
-            rank = np.flatnonzero(changed[order])
-            index = order[rank]
-        ranks.append(rank + start)
-        indices.append(index + start)
-    if not ranks:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(ranks), np.concatenate(indices)
+def _run_keys(run: np.ndarray) -> np.ndarray | None:
+    """The key of each item of a run: (b >> (8*itemsize - 9)) & 0xFF of its base bits; None: all 0 (itemsize 1)."""
+    if run.dtype.itemsize == 1:
+        return None
+    # the cast to uint8 keeps the low 8 bits: (b >> (8*itemsize - 9)) & 0xFF in one pass fewer
+    return (run >> run.dtype.type(8 * run.dtype.itemsize - 9)).astype(np.uint8)
 
 
-def _indices(base_bits: np.ndarray, ranks: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
-    """Item indices of the changes at `ranks` (ascending, < numel) of the visiting order (`order`: the
-    tensor's `visit_orders` entry, computed ahead)."""
-    if base_bits.dtype.itemsize == 1:
-        return ranks
-    if order is not None and order.dtype == np.uint32 and order.size == base_bits.size:
-        return order[ranks].astype(np.int64) + (ranks // RUN_ITEMS) * RUN_ITEMS
-    out = np.empty(ranks.size, np.int64)
-    bounds = np.searchsorted(ranks, np.arange(0, base_bits.size + RUN_ITEMS, RUN_ITEMS))
-    for run, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if lo == hi:
-            continue
-        start = run * RUN_ITEMS
-        order = _visit_order(base_bits, start, min(start + RUN_ITEMS, base_bits.size))
-        out[lo:hi] = order[ranks[lo:hi] - start] + start
-    return out
+def _key_counts(keys: np.ndarray | None, size: int) -> np.ndarray:
+    if keys is None:
+        counts = np.zeros(256, np.int64)
+        counts[0] = size
+        return counts
+    return np.bincount(keys, minlength=256)
+
+
+def _pack_fields(fields: np.ndarray, width: int) -> bytes:
+    """Fields of `width` bits: below 8, packed low bits first into bytes (the last byte zero-padded); from 8
+    on, width/8 byte planes (byte j of every field, little-endian, then byte j+1)."""
+    if width >= 8:
+        planes = width // 8
+        return fields.astype(f"<u{planes}").view(np.uint8).reshape(-1, planes).T.tobytes()
+    per = 8 // width
+    padded = np.zeros(-(-fields.size // per) * per, np.uint8)
+    padded[:fields.size] = fields
+    grid = padded.reshape(-1, per)
+    out = np.zeros(grid.shape[0], np.uint8)
+    for i in range(per):
+        out |= grid[:, i] << np.uint8(width * i)
+    return out.tobytes()
+
+
+def _field_bytes(count: int, width: int) -> int:
+    return -(-count * width // 8)
+
+
+def _values(z: np.ndarray, size: int, width: int, escapes: bool) -> tuple[bytes, bytes]:
+    """(fields, overflow) of a class's values z at this width."""
+    if not escapes:
+        return _pack_fields(z, width), b""
+    escape = z.dtype.type((1 << width) - 1)
+    hit = z >= escape
+    over = (z[hit] - escape).astype(f"<u{size}")
+    return _pack_fields(np.minimum(z, escape), width), over.view(np.uint8).reshape(-1, size).T.tobytes()
+
+
+def _choose_width(z: np.ndarray, size: int, level: int) -> tuple[int, bool, bytes, bytes]:
+    """The value width (and escapes) whose fields and overflow compress smallest, among the widths that
+    hold every value and the narrower ones with escapes where at most `_MAX_ESCAPED` of the values escape."""
+    if not z.size:
+        return 1, False, b"", b""
+    exact = next(w for w in WIDTHS if w >= int(z.max()).bit_length())
+    candidates = [(exact, False)] + [(w, True) for w in WIDTHS if w < exact
+                                      and np.count_nonzero(z >= (1 << w) - 1) <= _MAX_ESCAPED * z.size]
+    if len(candidates) == 1:
+        return exact, False, *_values(z, size, exact, False)
+    compressor = zstandard.ZstdCompressor(level=level)
+    best = None
+    for width, escapes in candidates:
+        fields, over = _values(z, size, width, escapes)
+        cost = len(compressor.compress(fields + over))
+        if best is None or cost < best[0]:
+            best = (cost, width, escapes, fields, over)
+    return best[1], best[2], best[3], best[4]  # type: ignore[index]
 
 
 def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], *,
@@ -279,8 +324,9 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     if set(base) != set(new):
         raise ValueError(f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     table = [_HEADER.pack(_MAGIC, _VERSION, len(new))]
-    gaps: list[np.ndarray] = []
-    words: list[np.ndarray] = []  # per tensor: (n_changed, itemsize) uint8, little-endian value words
+    # per class (itemsize, key): the changed flags of its items and the values of its changes, in visiting order
+    masks: dict[tuple[int, int], list[np.ndarray]] = {}
+    values: dict[tuple[int, int], list[np.ndarray]] = {}
     for name in sorted(new):
         b, n = base[name], new[name]
         _check_pair(name, b, n)
@@ -288,16 +334,46 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         if len(encoded) > 0xFFFF:
             raise ValueError(f"tensor name of {len(encoded)} bytes; at most 65535")
         old_bits, new_bits = tensor_bits(b), tensor_bits(n)
-        ranks, index = _changes(old_bits, new_bits)
         size = n.element_size()
-        table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel(), ranks.size)]
-        if ranks.size:
-            gaps.append(np.diff(ranks, prepend=-1).astype(np.uint64))
-            word = _zigzag(new_bits[index] - old_bits[index], size).astype(f"<u{size}")
-            words.append(word.view(np.uint8).reshape(-1, size))
-    planes = [w[:, j] for j in range(8) for w in words if w.shape[1] > j]
-    positions = encode_varints(np.concatenate(gaps)) if gaps else np.zeros(0, np.uint8)
-    content = b"".join([*table, positions.tobytes(), *(p.tobytes() for p in planes)])
+        table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel())]
+        for start in range(0, old_bits.size, RUN_ITEMS):
+            old, now = old_bits[start:start + RUN_ITEMS], new_bits[start:start + RUN_ITEMS]
+            keys = _run_keys(old)
+            counts = _key_counts(keys, old.size)
+            changed = old != now
+            order = None if keys is None else np.argsort(keys, kind="stable")
+            flags = changed if order is None else changed[order]
+            index = np.flatnonzero(changed) if order is None else order[flags]
+            z = _zigzag(now[index] - old[index], size) - old.dtype.type(1)
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            upto = np.concatenate(([0], np.cumsum(flags)))
+            for key in np.flatnonzero(counts).tolist():
+                lo, hi = bounds[key], bounds[key + 1]
+                masks.setdefault((size, key), []).append(flags[lo:hi])
+                values.setdefault((size, key), []).append(z[upto[lo]:upto[hi]])
+    classes, bitmaps, gaps, fields, overflow = [], [], [], [], []
+    low, high = BITMAP_BAND
+    for cls in sorted(masks):
+        size = cls[0]
+        mask = np.concatenate(masks.pop(cls))
+        z = np.concatenate(values.pop(cls))
+        items, count = mask.size, z.size
+        if count and count < items and low < count / items < high:
+            mode = BITMAP
+            bitmaps.append(mask)
+        elif count / items <= low or count == 0:
+            mode = GAPS_CHANGED
+            gaps.append(np.diff(np.flatnonzero(mask), prepend=-1))
+        else:
+            mode = GAPS_UNCHANGED
+            gaps.append(np.diff(np.flatnonzero(~mask), prepend=-1))
+        width, escapes, packed, over = _choose_width(z, size, level)
+        classes.append(_CLASS.pack(mode, width, int(escapes), count))
+        fields.append(packed)
+        overflow.append(over)
+    bitmap = np.packbits(np.concatenate(bitmaps), bitorder="little") if bitmaps else np.zeros(0, np.uint8)
+    positions = encode_varints(np.concatenate(gaps).astype(np.uint64)) if gaps else np.zeros(0, np.uint8)
+    content = b"".join([*table, *classes, bitmap.tobytes(), *fields, positions.tobytes(), *overflow])
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False,
                                     threads=0).compress(content)
 
@@ -316,9 +392,12 @@ def max_delta_bytes(base: Mapping[str, torch.Tensor]) -> int:
 
 def _max_delta_bytes(layout: Layout) -> int:
     bound = _HEADER.size
+    for itemsize in {size for size, _ in layout.values()}:
+        bound += 256 * (_CLASS.size + 1)  # a class entry and a padding byte of fields per key
     for name, (itemsize, numel) in layout.items():
-        bound += 2 + len(name.encode()) + _ENTRY.size + numel * (_varint_len(numel) + itemsize)
-    return bound
+        # bitmap bits, fields of at most 8*itemsize bits, a gap per item, an overflow per item
+        bound += 2 + len(name.encode()) + _ENTRY.size + numel * (1 + _varint_len(numel) + 2 * itemsize)
+    return bound + 1
 
 
 def _decompress(layout: Layout, blob: bytes) -> bytes:
@@ -345,7 +424,7 @@ def _decompress(layout: Layout, blob: bytes) -> bytes:
     return raw
 
 
-def _read_table(base: Layout, buf: bytes) -> tuple[list[tuple[str, int, int]], int]:
+def _read_table(base: Layout, buf: bytes) -> tuple[list[str], int]:
     if len(buf) < _HEADER.size:
         raise DeltaError("malformed", "delta is shorter than its header")
     magic, version, count = _HEADER.unpack_from(buf, 0)
@@ -355,7 +434,7 @@ def _read_table(base: Layout, buf: bytes) -> tuple[list[tuple[str, int, int]], i
         raise DeltaError("format", f"delta format {version}, we read {_VERSION} ({DELTA_FORMAT})")
     if count != len(base):
         raise DeltaError("wrong_base", f"delta has {count} tensors, the base has {len(base)}")
-    pos, entries, previous = _HEADER.size, [], None
+    pos, names, previous = _HEADER.size, [], None
     try:
         for _ in range(count):
             (name_len,) = struct.unpack_from("<H", buf, pos)
@@ -369,18 +448,50 @@ def _read_table(base: Layout, buf: bytes) -> tuple[list[tuple[str, int, int]], i
             if previous is not None and raw_name <= previous:
                 raise DeltaError("malformed", f"tensor {name[:80]!r} repeated or out of name order")
             previous = raw_name
-            itemsize, numel, n_changed = _ENTRY.unpack_from(buf, pos)
+            itemsize, numel = _ENTRY.unpack_from(buf, pos)
             pos += _ENTRY.size
             base_itemsize, base_numel = base[name]
             if itemsize != base_itemsize or numel != base_numel:
                 raise DeltaError("wrong_base", f"{name}: delta for {numel} items of {itemsize} bytes, "
                                  f"base has {base_numel} of {base_itemsize}")
-            if n_changed > numel:
-                raise DeltaError("malformed", f"{name}: {n_changed} changes in {numel} items")
-            entries.append((name, itemsize, n_changed))
+            names.append(name)
     except (struct.error, UnicodeDecodeError) as e:
         raise DeltaError("malformed", f"delta table is truncated or malformed: {e}") from None
-    return entries, pos
+    return names, pos
+
+
+class _Class:
+    """One class (itemsize, key) while a delta is read: its items, entry, and decoded changes."""
+
+    def __init__(self, size: int, key: int, items: int):
+        self.size, self.key, self.items = size, key, items
+        self.mode = self.width = self.escapes = self.count = 0
+        self.ranks = np.zeros(0, np.int64)
+        self.z = np.zeros(0, _UINT[size])
+
+
+def _unpack_fields(data: np.ndarray, count: int, width: int, size: int, where: str) -> np.ndarray:
+    if width >= 8:
+        planes = width // 8
+        grid = np.ascontiguousarray(data.reshape(planes, count).T)
+        return grid.view(f"<u{planes}").reshape(-1).astype(_UINT[size])
+    per = 8 // width
+    mask = np.uint8((1 << width) - 1)
+    grid = np.stack([(data >> np.uint8(width * i)) & mask for i in range(per)], axis=1).reshape(-1)
+    if grid[count:].any():
+        raise DeltaError("malformed", f"{where}: value fields' padding bits are not zero")
+    return grid[:count].astype(_UINT[size])
+
+
+def _ranks_of_gaps(gaps: np.ndarray, items: int, where: str) -> np.ndarray:
+    if not gaps.size:
+        return np.zeros(0, np.int64)
+    if gaps.min() == 0 or gaps.max() > items:
+        raise DeltaError("malformed", f"{where}: change positions out of order or out of range")
+    ranks = np.cumsum(gaps) - np.uint64(1)
+    if ranks[-1] >= items or (items >= 1 << 32 and (np.diff(ranks).astype(np.int64) <= 0).any()):
+        raise DeltaError("malformed", f"{where}: change positions out of order or out of range")
+    return ranks.astype(np.int64)
 
 
 def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torch.Tensor]:
@@ -405,41 +516,125 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
     """
     layout = {name: (a.dtype.itemsize, a.size) for name, a in bits.items()}
     raw = _decompress(layout, blob)
-    entries, pos = _read_table(layout, raw)
+    names, pos = _read_table(layout, raw)
     buf = np.frombuffer(raw, dtype=np.uint8)
-    total = sum(n for _, _, n in entries)
-    # Gaps >= 1 summing to at most numel: at most numel // 127 continuation bytes per tensor.
-    most = total + sum(layout[name][1] // 127 for name, _, n in entries if n)
-    gaps, used = decode_varints(buf[pos:], total, max_bytes=most)
+    # The base's runs (of RUN_ITEMS items a tensor) and how many items of each key each holds.
+    runs: list[tuple[str, int, int]] = []
+    counts: list[np.ndarray] = []
+    for name in names:
+        tensor = bits[name]
+        for start in range(0, tensor.size, RUN_ITEMS):
+            run = tensor[start:start + RUN_ITEMS]
+            runs.append((name, start, run.size))
+            counts.append(_key_counts(_run_keys(run), run.size))
+    per_run = np.array(counts, np.int64).reshape(-1, 256)
+    run_size = np.array([bits[name].dtype.itemsize for name, _, _ in runs], np.int64)
+    classes = [_Class(size, key, int(per_run[run_size == size, key].sum()))
+               for size in sorted(set(run_size.tolist())) for key in range(256)
+               if per_run[run_size == size, key].any()]
+    try:
+        for c in classes:
+            c.mode, c.width, c.escapes, c.count = _CLASS.unpack_from(raw, pos)
+            pos += _CLASS.size
+            where = f"class (itemsize {c.size}, key {c.key})"
+            if c.mode not in (BITMAP, GAPS_CHANGED, GAPS_UNCHANGED) or c.width not in WIDTHS \
+                    or c.width > 8 * c.size or c.escapes not in (0, 1) or (c.escapes and c.width == 8 * c.size):
+                raise DeltaError("malformed", f"{where}: mode {c.mode}, width {c.width}, escapes {c.escapes}")
+            if c.count > c.items:
+                raise DeltaError("malformed", f"{where}: {c.count} changes in {c.items} items")
+    except struct.error:
+        raise DeltaError("malformed", "delta's class table is truncated") from None
+
+    def take(n: int, what: str) -> np.ndarray:
+        nonlocal pos
+        if n > len(buf) - pos:
+            raise DeltaError("malformed", f"the delta ends inside its {what}")
+        pos += n
+        return buf[pos - n:pos]
+
+    # Positions coded as bitmaps: one bit an item, the classes' bits in a row, low bits first.
+    mapped = [c for c in classes if c.mode == BITMAP]
+    flags = np.unpackbits(take(-(-sum(c.items for c in mapped) // 8), "bitmap"), bitorder="little")
+    offset = 0
+    for c in mapped:
+        c.ranks = np.flatnonzero(flags[offset:offset + c.items])
+        offset += c.items
+        if c.ranks.size != c.count:
+            raise DeltaError("malformed", f"class (itemsize {c.size}, key {c.key}): its bitmap holds "
+                             f"{c.ranks.size} changes, its entry {c.count}")
+    if flags[offset:].any():
+        raise DeltaError("malformed", "the bitmap's padding bits are not zero")
+    del flags
+    # Values: each class's fields, then (after the gaps) the overflow of its escaped fields.
+    for c in classes:
+        if c.count:
+            c.z = _unpack_fields(take(_field_bytes(c.count, c.width), "values"), c.count, c.width, c.size,
+                                 f"class (itemsize {c.size}, key {c.key})")
+    # Positions coded as gaps: between the ranks of changed (or of unchanged) items, as varints.
+    gapped = [c for c in classes if c.mode != BITMAP]
+    wanted = [c.count if c.mode == GAPS_CHANGED else c.items - c.count for c in gapped]
+    # Gaps >= 1 summing to at most the class's items: at most items // 127 continuation bytes a class.
+    most = sum(wanted) + sum(c.items // 127 for c, n in zip(gapped, wanted) if n)
+    gaps, used = decode_varints(buf[pos:], sum(wanted), max_bytes=most)
     pos += used
-    value_bytes = sum(n * size for _, size, n in entries)
-    if len(buf) - pos != value_bytes:
-        raise DeltaError("malformed", f"{len(buf) - pos} bytes of values where the table says {value_bytes}")
-    # Where each tensor's bytes sit in each plane.
-    plane_start, offsets = pos, {}
-    for j in range(8):
-        for name, size, n in entries:
-            if size > j:
-                offsets[name, j] = plane_start
-                plane_start += n
-    changed: list[str] = []
     first = 0
-    for name, size, n in entries:
-        if not n:
-            continue
-        tensor_bits_ = bits[name]
-        tensor_gaps = gaps[first:first + n]
+    for c, n in zip(gapped, wanted):
+        where = f"class (itemsize {c.size}, key {c.key})"
+        ranks = _ranks_of_gaps(gaps[first:first + n], c.items, where)
         first += n
-        numel = tensor_bits_.size
-        if tensor_gaps.min() == 0 or tensor_gaps.max() > numel:
-            raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-        ranks = np.cumsum(tensor_gaps) - np.uint64(1)
-        if ranks[-1] >= numel or (numel >= 1 << 32 and (np.diff(ranks).astype(np.int64) <= 0).any()):
-            raise DeltaError("malformed", f"{name}: change positions out of order or out of range")
-        # from the base's bits: before any change
-        index = _indices(tensor_bits_, ranks.astype(np.int64), None if orders is None else orders.get(name))
-        word_bytes = np.stack([buf[offsets[name, j]:offsets[name, j] + n] for j in range(size)], axis=1)
-        words = np.ascontiguousarray(word_bytes).view(f"<u{size}").reshape(-1).astype(tensor_bits_.dtype)
-        tensor_bits_[index] += _unzigzag(words)
-        changed.append(name)
+        if c.mode == GAPS_CHANGED:
+            c.ranks = ranks
+        else:
+            keep = np.ones(c.items, bool)
+            keep[ranks] = False
+            c.ranks = np.flatnonzero(keep)
+    del gaps
+    for c in classes:
+        full = 8 * c.size
+        top = c.z.dtype.type((1 << full) - 1)  # a value word whose zigzag is 0: no change
+        if c.escapes:
+            escape = c.z.dtype.type((1 << c.width) - 1)
+            hit = np.flatnonzero(c.z == escape)
+            grid = take(hit.size * c.size, "overflow").reshape(c.size, hit.size)
+            over = np.ascontiguousarray(grid.T).view(f"<u{c.size}").reshape(-1).astype(c.z.dtype)
+            if (over >= top - escape).any():
+                raise DeltaError("malformed", f"class (itemsize {c.size}, key {c.key}): an overflow past the "
+                                 "item's bits")
+            c.z[hit] += over
+        elif c.width == full and (c.z == top).any():
+            raise DeltaError("malformed", f"class (itemsize {c.size}, key {c.key}): a value that changes nothing")
+    if pos != len(buf):
+        raise DeltaError("malformed", f"{len(buf) - pos} bytes beyond the delta's last section")
+    # Apply, run by run: a class's items are its key's items of each run (of its item size) in turn.
+    parts: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in runs]
+    starts = per_run.cumsum(axis=1) - per_run  # where each key's items start in a run's visiting order
+    for c in classes:
+        if not c.count:
+            continue
+        rows = np.flatnonzero(run_size == c.size)
+        ends = per_run[rows, c.key].cumsum()
+        cuts = np.searchsorted(c.ranks, ends)
+        lo = 0
+        for row, hi, end in zip(rows.tolist(), cuts.tolist(), ends.tolist()):
+            if hi > lo:
+                segment = end - int(per_run[row, c.key])
+                parts[row].append((c.ranks[lo:hi] - segment + int(starts[row, c.key]), c.z[lo:hi]))
+            lo = hi
+    changed: list[str] = []
+    for (name, start, size), row in zip(runs, parts):
+        if not row:
+            continue
+        run = bits[name][start:start + size]
+        ranks = np.concatenate([r for r, _ in row])
+        z = np.concatenate([v for _, v in row])
+        order = None if orders is None else orders.get(name)
+        if run.dtype.itemsize == 1:
+            index = ranks
+        elif order is not None and order.dtype == np.uint32 and order.size == bits[name].size:
+            index = order[start:start + size][ranks]
+        else:
+            index = np.argsort(_run_keys(run), kind="stable")[ranks]
+        run[index] += _unzigzag(z + z.dtype.type(1))
+        if not changed or changed[-1] != name:
+            changed.append(name)
     return changed

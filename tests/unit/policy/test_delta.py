@@ -12,17 +12,22 @@ import torch
 import zstandard
 
 from echo2swarm.policy.delta import (
+    BITMAP,
     DELTA_FORMAT,
+    GAPS_CHANGED,
+    GAPS_UNCHANGED,
     RUN_ITEMS,
     ZSTD_LEVEL,
     DeltaError,
     apply_delta,
+    apply_delta_bits,
     decode_varints,
     encode_delta,
     encode_varints,
     max_delta_bytes,
     tensor_bits,
     tensor_sha256,
+    visit_orders,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,35 +131,65 @@ def test_mixed_item_sizes_share_planes():
 def test_the_content_follows_the_documented_layout():
     base = {"b": torch.zeros(300, dtype=torch.bfloat16), "a": torch.zeros(2, dtype=torch.bfloat16)}
     new = {"b": base["b"].clone(), "a": base["a"].clone()}
-    new["b"][0] = 2.0 ** -133   # bits 0x0001: zigzag(+1) = 2
-    new["b"][200] = -0.0        # bits 0x8000: d = -32768, zigzag = 0xFFFF
+    new["b"][0] = 2.0 ** -133   # bits 0x0001: d = +1, z = zigzag(d) - 1 = 1
+    new["b"][200] = -0.0        # bits 0x8000: d = -32768, zigzag 0xFFFF, z = 0xFFFE
     blob = encode_delta(base, new)
     content = zstandard.ZstdDecompressor().decompress(blob)
-    expected = (b"E2SD" + struct.pack("<HI", 1, 2)
-                + struct.pack("<H", 1) + b"a" + struct.pack("<BQQ", 2, 2, 0)
-                + struct.pack("<H", 1) + b"b" + struct.pack("<BQQ", 2, 300, 2)
-                + bytes([1, 200, 1])        # gaps 1 (from -1 to 0) and 200 (0 -> 200) as LEB128
-                + bytes([2, 0xFF])          # plane 0: low bytes of the words 0x0002 and 0xFFFF
-                + bytes([0, 0xFF]))         # plane 1: their high bytes
+    # One class (itemsize 2, key 0): a's 2 items, then b's 300; b[0] and b[200] are ranks 2 and 202.
+    # 2 of 302 changed: gaps of the changed; z up to 0xFFFE: 16-bit fields (a quarter or fewer escaping
+    # at no narrower width), as two byte planes.
+    expected = (b"E2SD" + struct.pack("<HI", 2, 2)
+                + struct.pack("<H", 1) + b"a" + struct.pack("<BQ", 2, 2)
+                + struct.pack("<H", 1) + b"b" + struct.pack("<BQ", 2, 300)
+                + struct.pack("<BBBQ", GAPS_CHANGED, 16, 0, 2)
+                + bytes([0x01, 0xFE, 0x00, 0xFF])   # plane 0: low bytes of z 0x0001 and 0xFFFE; plane 1: high
+                + bytes([3, 0xC8, 0x01]))           # gaps 3 (from -1 to rank 2) and 200 (2 -> 202) as LEB128
     assert content == expected
     params = zstandard.get_frame_parameters(blob)
     assert params.content_size == len(expected) and not params.has_checksum
     assert blob == zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(expected)
-    assert DELTA_FORMAT == "e2s-delta/1"
+    assert DELTA_FORMAT == "e2s-delta/2"
 
 
 def test_changes_are_visited_by_the_base_exponent_then_index():
     # Keys (the 8 bits below the sign: bf16's exponent) of the base: 1.0 -> 127, 2^-10 -> 117.
     base = {"w": torch.tensor([1.0, 2.0 ** -10, 1.0, 2.0 ** -10], dtype=torch.bfloat16)}
     bits = tensor_bits(base["w"]).copy()
-    bits[0] += 1        # 1.0 up one ulp: zigzag(+1) = 2
-    bits[1] -= 1        # 2^-10 down one ulp: zigzag(-1) = 1
+    bits[0] += 1        # 1.0 up one ulp: z = 1
+    bits[1] -= 1        # 2^-10 down one ulp: z = 0
     new = {"w": torch.from_numpy(bits.view(np.uint8)).view(torch.bfloat16)}
     content = content_of(round_trip(base, new))
-    # Visiting order: items 1, 3 (key 117), then 0, 2 (key 127). Changed ranks 0 (item 1), 2 (item 0).
-    expected = (b"E2SD" + struct.pack("<HI", 1, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQQ", 2, 4, 2)
-                + bytes([1, 2]) + bytes([1, 2]) + bytes([0, 0]))
+    # Classes (2, 117): items 1, 3; (2, 127): items 0, 2. Each has its first item changed (half: a
+    # bitmap) and one-bit values.
+    expected = (b"E2SD" + struct.pack("<HI", 2, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQ", 2, 4)
+                + struct.pack("<BBBQ", BITMAP, 1, 0, 1) * 2
+                + bytes([0b0101])       # bitmap: class 117's bits 1, 0 then class 127's 1, 0, low bit first
+                + bytes([0, 1]))        # values: class 117's z = 0 (its own byte), class 127's z = 1
     assert content == expected
+
+
+@pytest.mark.parametrize(("fraction", "mode"), [(0.02, GAPS_CHANGED), (0.5, BITMAP), (0.97, GAPS_UNCHANGED)])
+def test_position_modes_follow_the_changed_fraction(fraction, mode):
+    base = {"w": torch.ones(5000, dtype=torch.bfloat16)}    # one class: key 127
+    new = {"w": nudged(base["w"], fraction, seed=2)}
+    content = content_of(round_trip(base, new))
+    head = len(b"E2SD") + 6 + 2 + 1 + 9
+    assert content[head] == mode and content[head + 1] == 1    # one-ulp steps: one-bit values
+
+
+def test_escapes_and_overflow_decode_as_documented():
+    base = {"w": torch.zeros(8, dtype=torch.bfloat16)}
+    z = [0, 1, 0, 1, 0, 1, 0, 300]
+    # All 8 changed (no gaps of unchanged); width 1 with escapes: a field of 1 is 1 + its overflow.
+    content = (b"E2SD" + struct.pack("<HI", 2, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQ", 2, 8)
+               + struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 1, 8)
+               + bytes([0b10101010])                # fields min(z, 1), low bit first
+               + bytes([0, 0, 0, 299 & 0xFF, 0, 0, 0, 299 >> 8]))  # overflows z - 1 of the 4 escapes, 2 planes
+    rebuilt = apply_delta(base, frame(content))
+    d = [u // 2 if u % 2 == 0 else -(u + 1) // 2 for u in (v + 1 for v in z)]  # unzigzag(z + 1): -1, +1, ..
+    assert tensor_bits(rebuilt["w"]).tolist() == [x % 65536 for x in d]
+    wide = {"w": torch.from_numpy(tensor_bits(rebuilt["w"]).copy().view(np.uint8)).view(torch.bfloat16)}
+    round_trip(base, wide)
 
 
 def test_runs_of_the_visiting_order_across_a_large_tensor():
@@ -165,7 +200,13 @@ def test_runs_of_the_visiting_order_across_a_large_tensor():
     new["big"][RUN_ITEMS - 1] = 5.0     # the last item of the first run, and the first of the next
     new["big"][RUN_ITEMS] = -5.0
     new["big"][-1] = 7.0
-    round_trip(base, new)
+    blob = round_trip(base, new)
+    # The same rebuild in place, with the base's visiting orders computed ahead (what a follower does).
+    bits = {k: tensor_bits(v).copy() for k, v in base.items()}
+    orders = visit_orders(bits)
+    assert set(orders) == {"big"} and orders["big"].dtype == np.uint32
+    assert sorted(apply_delta_bits(bits, blob, orders)) == ["big", "bytes"]
+    assert all(np.array_equal(bits[k], tensor_bits(new[k])) for k in new)
 
 
 def test_varints_vectorised_match_leb128():
@@ -227,7 +268,7 @@ def test_truncated_and_garbage_blobs(pair):
     content = content_of(blob)
     for cut in (4, 9, 12, 40, len(content) - 1):
         refused(base, frame(content[:cut]), "malformed")
-    refused(base, frame(content + b"\x00"), "malformed", "bytes of values")
+    refused(base, frame(content + b"\x00"), "malformed", "beyond the delta's last section")
 
 
 def test_frame_without_content_size_is_refused(pair):
@@ -240,45 +281,98 @@ def test_wrong_magic_and_format(pair):
     base, _, blob = pair
     content = content_of(blob)
     refused(base, frame(b"E2SX" + content[4:]), "malformed", "not an e2s-delta")
-    refused(base, frame(content[:4] + struct.pack("<H", 2) + content[6:]), "format", "format 2")
+    refused(base, frame(content[:4] + struct.pack("<H", 3) + content[6:]), "format", "format 3")
+    # e2s-delta/1 (the first format: per-tensor change counts, one gap stream, zigzag planes) is not read.
+    refused(base, frame(content[:4] + struct.pack("<H", 1) + content[6:]), "format", "format 1")
 
 
-def table_entry(name: str, itemsize: int, numel: int, n_changed: int) -> bytes:
-    return struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<BQQ", itemsize, numel, n_changed)
+def table_entry(name: str, itemsize: int, numel: int) -> bytes:
+    return struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<BQ", itemsize, numel)
+
+
+def unchanged_classes(base: dict[str, torch.Tensor]) -> bytes:
+    """The class table of a delta that changes nothing: one entry per (itemsize, key) of the base."""
+    classes = set()
+    for t in base.values():
+        bits = tensor_bits(t)
+        keys = {0} if t.element_size() == 1 else set((bits >> (8 * t.element_size() - 9)).astype(np.uint8).tolist())
+        classes |= {(t.element_size(), k) for k in keys}
+    return struct.pack("<BBBQ", GAPS_CHANGED, 1, 0, 0) * len(classes)
 
 
 def test_table_that_does_not_fit_the_base(pair):
     base, _, _ = pair
-    head = b"E2SD" + struct.pack("<HI", 1, 2)
-    good_a, good_b = table_entry("a.weight", 2, 1200, 0), table_entry("b.weight", 2, 25, 0)
-    assert apply_delta(base, frame(head + good_a + good_b))["a.weight"].equal(base["a.weight"])
-    refused(base, frame(b"E2SD" + struct.pack("<HI", 1, 3) + good_a + good_b), "wrong_base", "3 tensors")
-    refused(base, frame(head + good_a + table_entry("c.weight", 2, 25, 0)), "wrong_base", "lacks")
+    head = b"E2SD" + struct.pack("<HI", 2, 2)
+    good_a, good_b = table_entry("a.weight", 2, 1200), table_entry("b.weight", 2, 25)
+    none = unchanged_classes(base)
+    assert apply_delta(base, frame(head + good_a + good_b + none))["a.weight"].equal(base["a.weight"])
+    refused(base, frame(head + good_a + good_b + none[:-1]), "malformed", "class table is truncated")
+    refused(base, frame(head + good_a + good_b + none + b"\x00"), "malformed", "beyond")
+    refused(base, frame(b"E2SD" + struct.pack("<HI", 2, 3) + good_a + good_b), "wrong_base", "3 tensors")
+    refused(base, frame(head + good_a + table_entry("c.weight", 2, 25)), "wrong_base", "lacks")
     refused(base, frame(head + good_a + good_a), "malformed", "repeated")
     refused(base, frame(head + good_b + good_a), "malformed", "out of name order")
-    refused(base, frame(head + table_entry("a.weight", 4, 1200, 0) + good_b), "wrong_base", "items of 4 bytes")
-    refused(base, frame(head + table_entry("a.weight", 2, 1201, 0) + good_b), "wrong_base", "1201 items")
-    refused(base, frame(head + table_entry("a.weight", 2, 1200, 1201) + good_b), "malformed", "1201 changes")
+    refused(base, frame(head + table_entry("a.weight", 4, 1200) + good_b), "wrong_base", "items of 4 bytes")
+    refused(base, frame(head + table_entry("a.weight", 2, 1201) + good_b), "wrong_base", "1201 items")
     refused(base, frame(head + b"\x05\x00\xff\xfe\xfd\xfc\xfb" + good_b), "malformed")
-    empty = frame(b"E2SD" + struct.pack("<HI", 1, 0))
+    empty = frame(b"E2SD" + struct.pack("<HI", 2, 0))
     refused(base, empty, "wrong_base")
 
 
-def test_positions_out_of_range_or_not_increasing(pair):
-    base, _, _ = pair
-    head = b"E2SD" + struct.pack("<HI", 1, 2) + table_entry("a.weight", 2, 1200, 0)
+def zeros_delta(entry: bytes, *sections: bytes, numel: int = 25) -> bytes:
+    """A delta against `{"w": numel bf16 zeros}` (one class: itemsize 2, key 0) with this class entry."""
+    return frame(b"E2SD" + struct.pack("<HI", 2, 1) + table_entry("w", 2, numel) + entry + b"".join(sections))
 
-    def with_b(gaps: bytes, n: int) -> bytes:
-        return frame(head + table_entry("b.weight", 2, 25, n) + gaps + b"\x02" * n + b"\x00" * n)
 
-    assert apply_delta(base, with_b(b"\x01\x18", 2))["b.weight"].shape == (25,)   # indices 0 and 24
-    refused(base, with_b(b"\x01\x19", 2), "malformed", "out of range")             # index 25 of 25
-    refused(base, with_b(b"\x01\x00", 2), "malformed", "out of order")             # repeated index
-    refused(base, with_b(b"\x00", 1), "malformed", "out of order")                  # gap 0 from -1
-    # A gap beyond the tensor's size needs continuation bytes that 25 items leave no room for.
-    refused(base, with_b(b"\x81\x00", 1), "malformed", "within the 1 bytes")         # non-minimal varint
-    refused(base, with_b(b"\xff" * 9 + b"\x01", 1), "malformed", "within the 1 bytes")
-    refused(base, with_b(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "within the 2 bytes")
+def test_positions_out_of_range_or_not_increasing():
+    base = {"w": torch.zeros(25, dtype=torch.bfloat16)}
+
+    def gaps(raw: bytes, n: int) -> bytes:
+        return zeros_delta(struct.pack("<BBBQ", GAPS_CHANGED, 1, 0, n), bytes(-(-n // 8)), raw)
+
+    rebuilt = apply_delta(base, gaps(b"\x01\x18", 2))["w"]                          # ranks 0 and 24
+    assert np.flatnonzero(tensor_bits(rebuilt)).tolist() == [0, 24]
+    refused(base, gaps(b"\x01\x19", 2), "malformed", "out of range")             # rank 25 of 25
+    refused(base, gaps(b"\x01\x00", 2), "malformed", "out of order")             # repeated rank
+    refused(base, gaps(b"\x00", 1), "malformed", "out of order")                  # gap 0 from -1
+    # A gap beyond the class's size needs continuation bytes that 25 items leave no room for.
+    refused(base, gaps(b"\x81\x00", 1), "malformed", "within the 1 bytes")         # non-minimal varint
+    refused(base, gaps(b"\xff" * 9 + b"\x01", 1), "malformed", "within the 1 bytes")
+    refused(base, gaps(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "within the 2 bytes")
+    # Gaps of the unchanged: 23 changed of 25, the unchanged at ranks 3 and 4.
+    unchanged = zeros_delta(struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04\x01")
+    assert np.flatnonzero(tensor_bits(apply_delta(base, unchanged)["w"]) == 0).tolist() == [3, 4]
+    refused(base, zeros_delta(struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04"),
+            "malformed", "ends after 1 of 2")
+
+
+def test_class_entries_and_sections_that_do_not_fit():
+    base = {"w": torch.zeros(25, dtype=torch.bfloat16)}
+
+    def entry(mode: int, width: int, escapes: int, n: int) -> bytes:
+        return struct.pack("<BBBQ", mode, width, escapes, n)
+
+    bitmap_0_24 = bytes([1, 0, 0, 1])   # bits 0 and 24 of 25, low bit first
+    assert apply_delta(base, zeros_delta(entry(BITMAP, 1, 0, 2), bitmap_0_24, b"\x02"))["w"].count_nonzero() == 2
+    refused(base, zeros_delta(entry(3, 1, 0, 0)), "malformed", "mode 3")
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 3, 0, 0)), "malformed", "width 3")
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 32, 0, 0)), "malformed", "width 32")     # wider than bf16
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 1, 2, 0)), "malformed", "escapes 2")
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 16, 1, 0)), "malformed", "escapes 1")    # at full width
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 1, 0, 26)), "malformed", "26 changes in 25 items")
+    refused(base, zeros_delta(entry(BITMAP, 1, 0, 3), bitmap_0_24, b"\x02"), "malformed", "holds 2 changes")
+    refused(base, zeros_delta(entry(BITMAP, 1, 0, 2), bytes([1, 0, 0, 3]), b"\x02"), "malformed", "padding")
+    refused(base, zeros_delta(entry(BITMAP, 1, 0, 2), bitmap_0_24, b"\x06"), "malformed", "padding")  # fields
+    refused(base, zeros_delta(entry(BITMAP, 1, 0, 2), bitmap_0_24), "malformed", "ends inside its values")
+    refused(base, zeros_delta(entry(BITMAP, 1, 0, 2), bitmap_0_24[:3]), "malformed", "ends inside its bitmap")
+    # Full-width values: z = 0xFFFF would change nothing; 0xFFFE (d = -32768) is the largest.
+    assert apply_delta(base, zeros_delta(entry(GAPS_CHANGED, 16, 0, 1), b"\xfe\xff", b"\x01"))["w"][0].item() == 0
+    refused(base, zeros_delta(entry(GAPS_CHANGED, 16, 0, 1), b"\xff\xff", b"\x01"), "malformed", "changes nothing")
+    # Escapes: width 8, a field of 255 takes an overflow; 255 + 0xFF00 would pass the item's bits.
+    escaped = entry(GAPS_CHANGED, 8, 1, 1)
+    assert apply_delta(base, zeros_delta(escaped, b"\xff", b"\x01", b"\xff\xfe"))["w"][0].item() == 0
+    refused(base, zeros_delta(escaped, b"\xff", b"\x01", b"\x00\xff"), "malformed", "past the item's bits")
+    refused(base, zeros_delta(escaped, b"\xff", b"\x01", b"\x00"), "malformed", "ends inside its overflow")
 
 
 def test_varint_decoder_refuses_overlong_and_non_minimal_varints():
