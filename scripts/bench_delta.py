@@ -24,14 +24,17 @@ the trainer's default (train.ppo_epochs = 2, train.minibatches = 1: two updates 
 
 Per version it prints the mean reward and the groups with mixed rewards (the ones GRPO learns from),
 the fraction of bf16 values whose bits changed, the dense bytes (safetensors of the bf16 state, what
-a dense version ships), the delta bytes, dense/delta, the delta's bytes per changed value, encode
-and decode seconds and the step's seconds; then means over all versions and over the later half
+a dense version ships), the delta bytes, dense/delta, the delta's bytes per changed value, `floor`
+(dense over the entropy of the changes given the base's key, H(changed | key) + H(z | key): what any
+coder that models each item by its base's exponent alone needs at least), encode and decode seconds and
+the step's seconds; then means over all versions and over the later half
 (AdamW's second moments settle over the first steps, and the changed fraction with them). Then
 catch-up at the last version V: for a gap g in --gaps, the composite delta V-g -> V against the
 chain of g single deltas, each as dense/bytes (verified bit-exact too). With --compare (default on,
-runs of the first --updates only), the encoding alternatives on the last delta: sizes of each
-layout's zstd output, the codec at several zstd levels with encode/decode seconds, and the order-0
-entropy of gaps and values. --json prints one JSON object at the end as well.
+runs of the first --updates only), the encoding alternatives on the last delta: the entropy floors
+(without context and given the base's key, split into positions and values), e2s-delta/1's layout
+(and its positions and values apart), e2s-delta/2 with every class's positions coded one way, and the
+codec at several zstd levels with encode/decode seconds. --json prints one JSON object at the end as well.
 """
 
 from __future__ import annotations
@@ -157,82 +160,106 @@ def _entropy_bits(values: np.ndarray) -> float:
     return float(-(counts * np.log2(p)).sum())
 
 
-def compare_encodings(base: State, new: State) -> list[dict[str, Any]]:
-    """Compressed sizes of alternative layouts of the same changes (and the codec at several levels).
+def _counts_bits(counts: np.ndarray) -> float:
+    """sum over the rows (contexts) of the order-0 entropy of each row's counts, in bits."""
+    counts = counts.astype(np.float64)
+    totals = counts.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(counts > 0, counts * np.log2(np.where(counts > 0, counts / totals, 1.0)), 0.0)
+    return float(-terms.sum())
 
-    "index order" lists a tensor's changes by index; "exponent order" is the codec's visiting order
-    (runs of 2^20 items, by the base's exponent, then index). Alternatives are sized, not decoded;
-    the chosen layout's rows are the codec itself (encode_delta / apply_delta, verified)."""
-    names = sorted(new)
-    table: list[bytes] = []
-    streams: dict[str, dict[str, list[np.ndarray]]] = {
-        order: {"gaps": [], "bitmap": [], "xor": [], "zigzag": [], "new": []} for order in ("index", "exponent")}
-    for name in names:
+
+def floors(base: State, new: State) -> dict[str, float]:
+    """Entropy floors of the changes, in bits: positions (did an item change) and values (z = zigzag(d) - 1
+    of each change), without context and given the base's key (the 8 bits below the sign: the follower
+    knows it, so any function of it is free context). Item sizes above 2 count their values unconditioned."""
+    pos = np.zeros((256, 2), np.int64)
+    values: dict[int, list[np.ndarray]] = {}
+    for name in base:
+        old, now = tensor_bits(base[name]), tensor_bits(new[name])
+        size = old.dtype.itemsize
+        key = np.zeros(old.size, np.int64) if size == 1 else (old >> old.dtype.type(8 * size - 9)).astype(np.uint8)
+        changed = old != now
+        pos += np.bincount(key.astype(np.int64) * 2 + changed, minlength=512).reshape(256, 2)
+        d = (now[changed] - old[changed]).view(f"i{size}").astype(np.int64)
+        z = np.where(d >= 0, 2 * d, -2 * d - 1) - 1
+        values.setdefault(size, []).append(key[changed].astype(np.int64) * (1 << 16) + z if size <= 2 else z)
+    out = {"positions": _counts_bits(pos.sum(axis=0)), "positions_given_key": _counts_bits(pos),
+           "values": 0.0, "values_given_key": 0.0}
+    for size, parts in values.items():
+        joint = np.concatenate(parts)
+        if size <= 2:
+            by_key = np.bincount(joint, minlength=256 << 16).reshape(256, 1 << 16)
+            out["values"] += _counts_bits(by_key.sum(axis=0))
+            out["values_given_key"] += _counts_bits(by_key)
+        else:
+            out["values"] += _entropy_bits(joint)
+            out["values_given_key"] += _entropy_bits(joint)
+    return out
+
+
+def _layout_v1(base: State, new: State) -> tuple[bytes, list[np.ndarray], list[np.ndarray]]:
+    """e2s-delta/1's streams (sized, not decoded): per tensor, runs of 2^20 items visited by the base's key
+    then index; the gaps between changed ranks; zigzag value words (n, itemsize) bytes."""
+    table, gaps, words = [b"E2SD\x01\x00" + len(new).to_bytes(4, "little")], [], []
+    for name in sorted(new):
         old_bits, new_bits = tensor_bits(base[name]), tensor_bits(new[name])
-        size = new[name].element_size()
-        mask = old_bits != new_bits
-        orders = {"index": (np.flatnonzero(mask),) * 2, "exponent": codec._changes(old_bits, new_bits)}
+        size = old_bits.dtype.itemsize
+        ranks, index = [], []
+        for start in range(0, old_bits.size, codec.RUN_ITEMS):
+            old, now = old_bits[start:start + codec.RUN_ITEMS], new_bits[start:start + codec.RUN_ITEMS]
+            keys = codec._run_keys(old)
+            order = np.arange(old.size) if keys is None else np.argsort(keys, kind="stable")
+            rank = np.flatnonzero((old != now)[order])
+            ranks.append(rank + start)
+            index.append(order[rank] + start)
+        rank, idx = (np.concatenate(ranks), np.concatenate(index)) if ranks else (np.zeros(0, int), np.zeros(0, int))
         encoded = name.encode()
-        table.append(len(encoded).to_bytes(2, "little") + encoded + bytes([size])
-                     + new[name].numel().to_bytes(8, "little") + int(mask.sum()).to_bytes(8, "little"))
-        for order, (ranks, index) in orders.items():
-            out = streams[order]
-            out["gaps"].append(np.diff(ranks, prepend=-1).astype(np.uint64))
-            out["bitmap"].append(np.packbits(mask))
-            o, n = old_bits[index], new_bits[index]
-            signed = (n - o).view(f"i{size}")
-            zig = ((signed << 1) ^ (signed >> (8 * size - 1))).view(f"u{size}")
-            for key, w in (("xor", o ^ n), ("zigzag", zig), ("new", n)):
-                out[key].append(w.astype(f"<u{size}").view(np.uint8).reshape(-1, size))
-    head = b"E2SD" + (1).to_bytes(2, "little") + len(names).to_bytes(4, "little") + b"".join(table)
-    n_changed = sum(g.size for g in streams["index"]["gaps"])
+        table.append(len(encoded).to_bytes(2, "little") + encoded + bytes([size]) + old_bits.size.to_bytes(8, "little")
+                     + rank.size.to_bytes(8, "little"))
+        gaps.append(np.diff(rank, prepend=-1).astype(np.uint64))
+        o, n = old_bits[idx], new_bits[idx]
+        signed = (n - o).view(f"i{size}")
+        zig = ((signed << 1) ^ (signed >> (8 * size - 1))).view(f"u{size}")
+        words.append(zig.astype(f"<u{size}").view(np.uint8).reshape(-1, size))
+    return b"".join(table), gaps, words
 
-    def varints(order: str) -> bytes:
-        return encode_varints(np.concatenate(streams[order]["gaps"])).tobytes()
 
-    def interleaved(order: str, key: str) -> bytes:
-        return b"".join(w.tobytes() for w in streams[order][key])
-
-    def planes(order: str, key: str) -> bytes:
-        words = streams[order][key]
-        return b"".join(w[:, j].tobytes() for j in range(8) for w in words if w.shape[1] > j)
-
+def compare_encodings(base: State, new: State) -> list[dict[str, Any]]:
+    """Sizes of the same changes under other layouts, the floors, and the codec at several zstd levels."""
+    n_changed = changed_count(base, new)
     rows: list[dict[str, Any]] = []
 
     def add(label: str, size: int, seconds: float | None = None, decode_s: float | None = None) -> None:
         rows.append({"encoding": label, "bytes": size, "bytes_per_change": size / max(n_changed, 1),
                      "encode_s": seconds, "decode_s": decode_s})
 
-    index = streams["index"]
-    previous = b"".join(entry + encode_varints(g).tobytes() + w.tobytes()
-                        for entry, g, w in zip(table, index["gaps"], index["xor"]))
-    add("index order: per tensor [gaps | XOR words], zstd-3 (the first e2s-delta/1)", _zstd(head[:10] + previous, 3))
-    add("index order: gaps + XOR words interleaved, zstd-1", _zstd(head + varints("index") + interleaved("index", "xor"), 1))
-    add("index order: gaps + XOR words in byte planes, zstd-1", _zstd(head + varints("index") + planes("index", "xor"), 1))
-    add("index order: gaps + new values in byte planes, zstd-1", _zstd(head + varints("index") + planes("index", "new"), 1))
-    add("index order: gaps + zigzag differences interleaved, zstd-1",
-        _zstd(head + varints("index") + interleaved("index", "zigzag"), 1))
-    add("index order: gaps + zigzag differences in byte planes, zstd-1",
-        _zstd(head + varints("index") + planes("index", "zigzag"), 1))
-    add("index order: bitmap + zigzag differences in byte planes, zstd-1",
-        _zstd(head + np.concatenate(index["bitmap"]).tobytes() + planes("index", "zigzag"), 1))
-    add("exponent order: gaps + XOR words in byte planes, zstd-1",
-        _zstd(head + varints("exponent") + planes("exponent", "xor"), 1))
-    add("exponent order: gaps + zigzag planes, one zstd-1 frame per stream",
-        _zstd(head, 1) + _zstd(varints("exponent"), 1) + _zstd(planes("exponent", "zigzag"), 1))
-    add("exponent order: gaps + zigzag planes, one zstd-1 frame per tensor",
-        sum(_zstd(entry + encode_varints(g).tobytes() + w.T.tobytes(), 1)
-            for entry, g, w in zip(table, streams["exponent"]["gaps"], streams["exponent"]["zigzag"])))
+    floor = floors(base, new)
+    add("floor, no context: H(changed) + H(z)", math.ceil((floor["positions"] + floor["values"]) / 8))
+    add("  of which positions H(changed)", math.ceil(floor["positions"] / 8))
+    add("floor given the base's key: H(changed | key) + H(z | key)",
+        math.ceil((floor["positions_given_key"] + floor["values_given_key"]) / 8))
+    add("  of which positions H(changed | key)", math.ceil(floor["positions_given_key"] / 8))
+    add("  of which values H(z | key)", math.ceil(floor["values_given_key"] / 8))
+    table, gaps, words = _layout_v1(base, new)
+    varints = encode_varints(np.concatenate(gaps)).tobytes()
+    planes = b"".join(w[:, j].tobytes() for j in range(8) for w in words if w.shape[1] > j)
+    add("e2s-delta/1: exponent order in runs, gaps + zigzag byte planes, zstd-1", _zstd(table + varints + planes, 1))
+    add("  of which positions (gaps, zstd-1 alone)", _zstd(varints, 1))
+    add("  of which values (zigzag planes, zstd-1 alone)", _zstd(planes, 1))
+    band = codec.BITMAP_BAND
+    try:
+        for label, override in (("every class's positions as gaps of the changed", (1.0, 1.0)),
+                                ("every class's positions as a bitmap (all or none: gaps)", (0.0, 1.0))):
+            codec.BITMAP_BAND = override
+            add(f"e2s-delta/2 with {label}, zstd-1", len(encode_delta(base, new)))
+    finally:
+        codec.BITMAP_BAND = band
     for level in (1, 3, 9, 19):
         blob, enc, dec = timed_delta(base, new, level=level)
-        add(f"{'CHOSEN' if level == ZSTD_LEVEL else 'chosen layout'}: exponent order, gaps + zigzag differences "
-            f"in byte planes, zstd-{level}", len(blob), enc, dec)
-    for order in ("index", "exponent"):
-        words = streams[order]["zigzag"]
-        floor_bits = _entropy_bits(np.concatenate(streams[order]["gaps"])) + sum(
-            _entropy_bits(np.concatenate([w.view(f"<u{size}").reshape(-1) for w in words if w.shape[1] == size]))
-            for size in {w.shape[1] for w in words})
-        add(f"{order} order: order-0 entropy of the gaps + zigzag values (no table)", max(1, math.ceil(floor_bits / 8)))
+        add(f"{'CHOSEN' if level == ZSTD_LEVEL else 'chosen layout'}: e2s-delta/2 (classes by key: bitmap "
+            f"{band[0]:g} < p < {band[1]:g}, else gaps; values at the class's width), zstd-{level}",
+            len(blob), enc, dec)
     return rows
 
 
@@ -256,7 +283,7 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     label = f"lr {lr:g}, {epochs}x{minibatches} updates"
     log(f"{label}: {numel / 1e6:.1f}M values, dense bf16 version {dense / 1e6:.2f} MB")
     header = (f"{'v':>3} {'reward':>6} {'mixed':>5} {'changed':>8} {'dense MB':>9} {'delta KB':>9} "
-              f"{'dense/delta':>11} {'B/changed':>9} {'enc s':>6} {'dec s':>6} {'step s':>6}")
+              f"{'dense/delta':>11} {'B/changed':>9} {'floor':>7} {'enc s':>6} {'dec s':>6} {'step s':>6}")
     print(f"\n## lr {lr:g}, {epochs} epochs x {minibatches} minibatches = {epochs * minibatches} AdamW updates "
           f"per version\n{header}", flush=True)
     for version in range(1, args.versions + 1):
@@ -267,24 +294,28 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
         dense = len(save_safetensors(states[-1], metadata={"format": "pt"}))
         blob, enc, dec = timed_delta(states[-2], states[-1])
         changed = changed_count(states[-2], states[-1])
+        floor = floors(states[-2], states[-1])
+        floor_bytes = (floor["positions_given_key"] + floor["values_given_key"]) / 8
         singles.append(len(blob))
         mixed = sum(len(set(g.rewards)) > 1 for g in groups)
         row = {"version": version, "reward_mean": stats.get("reward_mean", 0.0), "mixed_groups": mixed,
                "changed_frac": changed / numel, "dense_bytes": dense, "delta_bytes": len(blob),
                "ratio": dense / len(blob), "bytes_per_changed": len(blob) / max(changed, 1),
+               "floor_bytes": floor_bytes, "floor_ratio": dense / max(floor_bytes, 1.0),
                "encode_s": enc, "decode_s": dec, "step_s": stats.get("t_train_s", 0.0),
                "updates": stats.get("updates", 0)}
         rows.append(row)
         print(f"{version:>3} {row['reward_mean']:>6.2f} {mixed:>2}/{len(groups):<2} {row['changed_frac']:>8.2%} "
               f"{dense / 1e6:>9.2f} {len(blob) / 1e3:>9.1f} {row['ratio']:>10.1f}x {row['bytes_per_changed']:>9.3f} "
-              f"{enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f}", flush=True)
+              f"{row['floor_ratio']:>6.1f}x {enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f}", flush=True)
         if len(states) > max(args.gaps) + 1:
             states.pop(0)
     late = rows[len(rows) // 2:]
     for label_rows, what in ((rows, f"all {len(rows)} versions"), (late, f"v{late[0]['version']}..v{late[-1]['version']}")):
         print(f"mean over {what}: changed {statistics.mean(r['changed_frac'] for r in label_rows):.2%}, "
               f"dense/delta {statistics.mean(r['ratio'] for r in label_rows):.1f}x "
-              f"(min {min(r['ratio'] for r in label_rows):.1f}x), "
+              f"(min {min(r['ratio'] for r in label_rows):.1f}x; "
+              f"floor {statistics.mean(r['floor_ratio'] for r in label_rows):.1f}x), "
               f"{statistics.mean(r['bytes_per_changed'] for r in label_rows):.3f} B per changed value, "
               f"encode {statistics.mean(r['encode_s'] for r in label_rows):.2f} s, "
               f"decode {statistics.mean(r['decode_s'] for r in label_rows):.2f} s", flush=True)
