@@ -62,6 +62,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from echo2swarm.config.models import auto_chunk_size  # noqa: E402
 from echo2swarm.config.units import format_bytes, parse_bytes  # noqa: E402
 from echo2swarm.runtime.processes import DaemonProcess, child_pids, loopback_args, pid_alive, wait_until  # noqa: E402
 
@@ -106,6 +107,18 @@ def cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def daemon_cpu(d: DaemonProcess) -> tuple[float, float]:
+    """CPU seconds so far of a daemon and of its children (p2pd)."""
+    return cpu_seconds(d.pid), sum(cpu_seconds(c) for c in child_pids(d.pid))
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU jiffies of the whole machine so far (/proc/stat), every engineer's jobs included."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return float(sum(fields) - idle), float(sum(fields))
 
 
 def get_json(url: str) -> dict[str, Any] | None:
@@ -447,7 +460,9 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
         peers = ["--initial-peers", ",".join(swarm.initial_peers)] if join else []
         argv = ["--swarm", SWARM, "--host-maddrs", LAB_HOST_MADDRS, "--chunk-host", "0.0.0.0",
                 "--announce-period", "2", "--record-ttl", "6", "--log-level", "INFO", *peers, *extra]
-        env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+        env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2"}
+        if args.parallel_chunks is not None:
+            env["ECHO2SWARM_FETCH__PARALLEL_CHUNKS"] = str(args.parallel_chunks)
         d = DaemonProcess(name, argv, root / name, wrap=host.wrap, env=env if follower else None)
         swarm.daemons.append(d.start())
         swarm.hosts[name] = host
@@ -501,6 +516,7 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
         # the bootstrap is a public peer too: it serves circuit relays for the homes, as the public relays do
         uplinks = ["lrn", "boot", *(b.name for b in boots), *(r.name for r in relays), *(f"h{i}" for i in range(n_nat))]
         before = {name: lab.uplink_bytes(name) for name in uplinks}
+        machine_before, receivers_cpu = machine_cpu(), {d.name: daemon_cpu(d) for d in [*relays, *homes]}
         learner = start(lrn, "learner", "--role", "learner", "--model", str(model), "--policy-key", str(key),
                         "--chunk-size", args.chunk_size)
         installed = [root / d.name / "versions" / "v00000001.manifest" for d in [*relays, *homes]]
@@ -518,6 +534,13 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
         if len(done) < n:
             raise RuntimeError(f"wan {mode} N={n}: only {len(done)} of {n} receivers installed v1 in {args.timeout:.0f} s")
         uploads = {name: lab.uplink_bytes(name) - b for name, b in before.items()}
+        busy, total = (a - b for a, b in zip(machine_cpu(), machine_before))
+        cpu = {d.name: tuple(a - b for a, b in zip(daemon_cpu(d), receivers_cpu[d.name])) for d in [*relays, *homes]}
+        cpu["learner"] = daemon_cpu(learner)  # started with the broadcast: all of it is the learner's start + serving
+        print(f"    CPU during the broadcast: machine {busy / max(total, 1e-9):.0%} busy "
+              f"({os.cpu_count()} cores); daemon + p2pd seconds: "
+              + ", ".join(f"{k} {a:.1f}+{b:.1f}" for k, (a, b) in cpu.items()), file=sys.stderr, flush=True)
+        detail = wan_detail(swarm, learner, [*relays, *homes], done, root)
         home_up = [uploads[h.name] for h in homes]
         reach = [swarm.info(h)["reachability"] for h in homes]
         home_ids = {h.info["peer_id"] for h in homes}
@@ -531,12 +554,51 @@ def run_wan(root: Path, model: Path, key: Path, n: int, mode: str, args: argpars
                 "reachability": [r["state"] for r in reach], "holepunch": [r.get("holepunch") for r in reach],
                 "punch_wait_s": punch_s,
                 # home-to-home connections that are direct (hole-punched), counted from both ends
-                "direct_home_links": sum(len(home_ids & set(r.get("direct") or {})) for r in reach)}
+                "direct_home_links": sum(len(home_ids & set(r.get("direct") or {})) for r in reach),
+                "receivers": detail, "cpu_s": cpu, "machine_busy": busy / max(total, 1e-9)}
     finally:
         try:
             swarm.close()
         finally:
             lab.close()
+
+
+def wan_detail(swarm: Any, learner: DaemonProcess, receivers: list[DaemonProcess], done: dict[Path, float],
+               root: Path) -> list[dict[str, Any]]:
+    """Per receiver: its chain positions in the learner's plan, when it finished, the share of its bytes it
+    fetched from the learner (what the plan does not account for), its fetcher's non-zero counters (misses,
+    busy sources, parents not begun or unknown) and its chunk server's held, unseen-version and refused
+    requests; and what the learner's chunk server sent and refused. Printed to stderr, kept in the row."""
+    if not learner.info:
+        learner.wait_ready(60)
+    url = learner.info["http_url"] + "/v1/plan/1"
+    out = swarm.hosts[learner.name].run(
+        [sys.executable, "-c", f"import urllib.request;print(urllib.request.urlopen({url!r},timeout=10).read().decode())"],
+        timeout=20)
+    stripes = json.loads(out.stdout)["stripes"] if out.returncode == 0 else []
+    lserver = swarm.info(learner)["stats"].get("server", {})
+    print(f"    learner sent {lserver.get('bytes_served', 0) / 2**20:.1f} MiB in {lserver.get('chunks_served', 0)} chunks, "
+          f"refused {({k: v for k, v in lserver.items() if k.startswith('refused_') and v})}", file=sys.stderr, flush=True)
+    rows = []
+    for d in receivers:
+        info = swarm.info(d)
+        stats = info["stats"]
+        server, fetched_from = stats.get("server", {}), stats.get("fetched_from", {})
+        t = done.get(root / d.name / "versions" / "v00000001.manifest")
+        row = {"name": d.name, "t_s": t, "positions": [c.index(info["peer_id"]) if info["peer_id"] in c else None
+                                                       for c in stripes],
+               "from_learner": sum(b for name, b in fetched_from.items() if name.startswith("learner:")),
+               "fetched": sum(fetched_from.values()),
+               "fetch": {k: v for k, v in stats.get("fetch", {}).items() if v and not k.startswith(("bytes_", "chunks_"))},
+               "served": server.get("bytes_served", 0), "held": server.get("waited", 0),
+               "unseen": server.get("wait_unseen", 0),
+               "refused": {k: v for k, v in server.items() if k.startswith("refused_") and v}}
+        rows.append(row)
+        print(f"    {d.name:>5} pos {row['positions']} done {t if t is None else round(t, 2)} s, from the learner "
+              f"{row['from_learner'] / max(1, row['fetched']):.3f} of {row['fetched'] / 2**20:.1f} MiB; sent "
+              f"{row['served'] / 2**20:.1f} MiB, held {row['held']}, unseen {row['unseen']}, refused {row['refused']}; "
+              f"fetch {row['fetch']}", file=sys.stderr, flush=True)
+    return rows
 
 
 def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: list[int], modes: list[str]) -> None:
@@ -546,7 +608,9 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
     ideal = model_bytes / bandwidth
     print(f"WAN lab: M = {format_bytes(model_bytes)}, every uplink {args.wan_up_mbit:g} Mbit/s "
           f"({format_bytes(int(bandwidth))}/s, kernel tbf), downlinks {args.wan_down_mbit:g} Mbit/s, "
-          f"chunk {args.chunk_size}, ideal M/B = {ideal:.2f} s", file=sys.stderr, flush=True)
+          f"chunk {args.chunk_size}"
+          f"{f' ({format_bytes(auto_chunk_size(model_bytes))})' if args.chunk_size == 'auto' else ''}, chunks in flight "
+          f"{args.parallel_chunks or 'default'}, ideal M/B = {ideal:.2f} s", file=sys.stderr, flush=True)
     rows = []
     for n in receivers:
         for mode in modes:
@@ -608,13 +672,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6, help="with --stream: the learner's learning rate")
     parser.add_argument("--warmup-steps", type=int, default=15,
                         help="with --stream: supervised warm-up steps of the model, so GRPO groups have mixed rewards")
-    parser.add_argument("--chunk-size", default="1MiB", help="learner chunk size (default 1MiB)")
+    parser.add_argument("--chunk-size", default=None,
+                        help="learner chunk size (default 1MiB; with --wan the learner's default, publish.chunk_size "
+                        "= auto)")
     parser.add_argument("--delta-chunk-size", default=None,
                         help="with --stream: the learner's publish.delta_chunk_size (default: the config's, 64KiB)")
     parser.add_argument("--head-poll-s", type=float, default=None,
                         help="with --stream: the followers' fetch.head_poll_s (default: the config's, 2 s; heads "
                         "come by long-poll)")
-    parser.add_argument("--parallel-chunks", type=int, default=4, help="chunks in flight per fetcher (default 4)")
+    parser.add_argument("--parallel-chunks", type=int, default=None,
+                        help="chunks in flight per fetcher (default 4; with --wan the followers' default, "
+                        "fetch.parallel_chunks)")
     parser.add_argument("--modes", default="star,pipelined", help="comma-separated: star, pipelined")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one broadcast may take")
     parser.add_argument("--png", type=Path, help="write a plot of T_bcast vs N here")
@@ -636,6 +704,10 @@ def main() -> None:
     if args.wan and stream:
         parser.error("--wan and --stream are separate runs")
     args.model_bytes = args.model_bytes or ("40MB" if stream else "32MB" if args.wan else "128MiB")
+    # --wan runs the daemons' defaults; the loopback runs keep the settings their published figures used
+    args.chunk_size = args.chunk_size or ("auto" if args.wan else "1MiB")
+    if args.parallel_chunks is None and not args.wan:
+        args.parallel_chunks = 4
     args.upload_limit = args.upload_limit or ("1.5MiB" if stream else "16MiB")
     try:
         receivers = [int(x) for x in (args.receivers or ("2,4,8" if args.wan else "1,2,4,8,12")).split(",") if x]

@@ -47,6 +47,7 @@ from echo2swarm.wire.signing import PublicKey
 
 logger = get_logger(__name__)
 MAX_BAN_RECORDS = 1024  # sources whose bans (and strike counts) a follower remembers at most
+PARENT_RETRY_S = 0.2  # a plan parent that has not begun the version is asked again after 0.1-0.2 s
 
 
 class FetchError(Exception):
@@ -141,6 +142,51 @@ class SourceBans:
             first = min(self._bans, key=lambda n: self._bans[n].until)
             del self._bans[first]
         return seconds
+
+
+class ParentPatience:
+    """How long a fetcher keeps asking a plan parent that has not begun the version yet (one version fetch).
+
+    A plan parent holds a request for a chunk of the version it is fetching until the chunk arrives
+    (`fetch.source_wait_s` at most). One that has not verified this version's manifest yet (it saw the
+    head a moment after its child, or its CPU is busy) answers "not held" at once instead. Moving on
+    would take the chunk from the learner, one more upload of it on the swarm's scarcest uplink, when
+    the parent is about to have it; so the chunk is asked of the parent again every ~PARENT_RETRY_S,
+    for `patience_s` (`fetch.source_wait_s`) from the first such answer of that parent. A parent that
+    has not begun by then is passed over for the rest of the version fetch (one that never will, a
+    stale plan's, costs one patience, not one per chunk). An answer that came only after the request was
+    held for most of its wait is a parent that is fetching but has not got the chunk in time: the
+    fetcher moves on at once, as before.
+
+    Counted in `stats`: `parent_not_begun` (answers asked again), `parent_passed_over` (parents given up on).
+    """
+
+    def __init__(self, patience_s: float, stats: Counter[str]):
+        self.patience_s = patience_s
+        self.stats = stats
+        self._first: dict[str, float] = {}  # parent -> when it first answered "not held" at once
+        self._begun: set[str] = set()
+        self._passed: set[str] = set()
+
+    def ask_again(self, name: str, held_s: float, wait: float) -> bool:
+        """`name`, asked to hold the request up to `wait` s, answered "not held" after `held_s`: ask it again?"""
+        if name in self._begun or name in self._passed or held_s >= wait / 2:
+            return False
+        now = time.monotonic()
+        first = self._first.setdefault(name, now)
+        if now - first >= self.patience_s:
+            self._passed.add(name)
+            self.stats["parent_passed_over"] += 1
+            logger.info("plan parent %s has not begun the version within %.0f s: fetching around it", name,
+                        self.patience_s)
+            return False
+        self.stats["parent_not_begun"] += 1
+        return True
+
+    def begun(self, name: str) -> None:
+        """`name` served a chunk it was asked to hold for: it is fetching this version."""
+        self._begun.add(name)
+        self._first.pop(name, None)
 
 
 class PolicyFetcher:
@@ -263,6 +309,7 @@ class PolicyFetcher:
         missing = [(i, ref) for i, ref in enumerate(refs) if not self.chunks.has(ref.sha256)]
         self.bytes_from = Counter()
         slots = asyncio.Semaphore(self.config.parallel_chunks)
+        patience = ParentPatience(self.config.source_wait_s, self.stats)
 
         async def fetch_one(index: int, ref: ChunkRef) -> None:
             rounds = 0
@@ -270,11 +317,13 @@ class PolicyFetcher:
                 deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
                 while True:
                     only_busy = True
+                    again = False  # the plan parent has not begun this version yet: ask it again shortly
                     candidates = await self._usable(route(index, ref), publisher, deadline, manifest.version)
                     for n, (source, wait) in enumerate(candidates):
                         # Banned meanwhile (by another chunk's request): skip it, unless it is all there is.
                         if n and self.bans.banned(source.name):
                             continue
+                        asked = time.monotonic()
                         try:
                             data = await source.chunk(ref, wait=wait, version=manifest.version)
                         except SourceBusy:
@@ -287,6 +336,9 @@ class PolicyFetcher:
                             continue
                         except SourceMissing:
                             self.stats["source_missing"] += 1
+                            if n == 0 and wait > 0 and patience.ask_again(source.name, time.monotonic() - asked, wait):
+                                again = True
+                                break
                             only_busy = False
                             continue
                         except SourceError as e:
@@ -312,8 +364,13 @@ class PolicyFetcher:
                         self.stats["chunks_fetched"] += 1
                         self.stats["bytes_fetched"] += ref.size
                         self.bytes_from[source.name] += ref.size
+                        if wait > 0:
+                            patience.begun(source.name)
                         on_chunk(ref.sha256)
                         return
+                    if again:
+                        await asyncio.sleep(random.uniform(0.5, 1.0) * PARENT_RETRY_S)
+                        continue
                     # Busy sources are not failing, only full: retry them until the deadline.
                     rounds += 0 if only_busy else 1
                     if rounds >= self.config.attempts_per_chunk or time.monotonic() > deadline:

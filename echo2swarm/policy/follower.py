@@ -38,6 +38,7 @@ its head at each announcement; a replayed record counts once); at most MAX_SKIP_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
@@ -314,8 +315,9 @@ class PolicyFollower:
         try:
             # Manifest and plan at once; stale cards are re-read beside them (the routes read `_cards` as
             # they are when each chunk is asked for): one round trip before the chunks, not three.
+            cards_read = asyncio.Event()
             refresher = asyncio.create_task(self._refresh_while_fetching(
-                first=time.monotonic() - self._cards_at >= self.fetch_config.holders_refresh_s))
+                first=time.monotonic() - self._cards_at >= self.fetch_config.holders_refresh_s, read=cards_read))
             fetched, plan = await asyncio.gather(
                 self.fetcher.fetch_manifest(head, self._manifest_sources(head, publisher), trusted=self.trust.key,
                                             swarm=self.swarm, publisher=publisher.name),
@@ -329,6 +331,7 @@ class PolicyFollower:
                 raise fetched
             manifest, envelope = fetched
             self.plan = plan
+            await self._await_parents(plan, cards_read)
             spans: Counter[str] = Counter(manifest=time.perf_counter() - started)
             path = await self.installer.catch_up(head, publisher, Linked(manifest, envelope), spans)
             if path is None:
@@ -380,16 +383,34 @@ class PolicyFollower:
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
         self._cards_at = time.monotonic()
 
-    async def _refresh_while_fetching(self, first: bool = False) -> None:
-        """Re-read the peer cards every holders_refresh_s while a fetch runs (`first`: at once too)."""
+    async def _refresh_while_fetching(self, first: bool = False, read: asyncio.Event | None = None) -> None:
+        """Re-read the peer cards every holders_refresh_s while a fetch runs (`first`: at once too). `read`
+        is set once the cards are fresh (at once without `first`, else after the first read, failed or not)."""
+        if read is not None and not first:
+            read.set()
         while True:
             if not first:
                 await asyncio.sleep(self.fetch_config.holders_refresh_s)
-            first = False
             try:
                 await self._refresh_cards()
             except Exception as e:  # a DHT hiccup must not abort the fetch
                 logger.debug("card refresh failed: %s", e)
+            first = False
+            if read is not None:
+                read.set()
+
+    async def _await_parents(self, plan: BroadcastPlan | None, cards_read: asyncio.Event) -> None:
+        """When the plan names a parent of ours whose card we have not read yet, wait (at most
+        fetch.manifest_timeout_s) for the card read that runs beside the manifest: a chunk routed without
+        its parent goes to the learner, one more upload on the swarm's scarcest uplink."""
+        if plan is None or cards_read.is_set():
+            return
+        me, known = self.overlay.peer_id, {c.peer_id for c in self._cards} | set(self._sources)
+        parents = {plan.parent(me, i) for i in range(len(plan.stripes))} - {None, plan.publisher}
+        if parents <= known:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(cards_read.wait(), self.fetch_config.manifest_timeout_s)
 
     def _source_for(self, peer_id: str) -> ChunkSource | None:
         card = next((c for c in self._cards if c.peer_id == peer_id), None)
@@ -471,8 +492,11 @@ class PolicyFollower:
         parent = self.plan.parent(self.overlay.peer_id, index) if self.plan is not None and planned else None
         if parent == head.publisher:
             route.append((publisher, 0.0))
-        elif parent is not None and (source := self._source_for(parent)) is not None:
-            route.append((source, self.fetch_config.source_wait_s))
+        elif parent is not None:
+            if (source := self._source_for(parent)) is not None:
+                route.append((source, self.fetch_config.source_wait_s))
+            else:  # its card not read yet (or expired): this chunk goes around its parent
+                self.fetcher.stats["parent_unknown"] += 1
         holders = [s for s in self._holders(version) if s.peer_id != head.publisher]
         if holders:
             k = index % len(holders)

@@ -1,0 +1,117 @@
+"""A fetcher waits for its plan parent that has not begun the version yet instead of taking the chunk
+from the learner (`ParentPatience`), within `fetch.source_wait_s`; a parent that held the request and
+still lacks the chunk, or never begins, is gone around as before.
+
+Fake sources stand in for the peers (pure fetcher logic, as in test_source_bans.py); a parent's
+"begins" is a flag the test flips once the fetcher has asked it, never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from echo2swarm.config.models import FetchConfig
+from echo2swarm.policy.fetcher import PolicyFetcher
+from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
+from echo2swarm.policy.sources import SourceMissing
+from echo2swarm.policy.store import ChunkStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Parent:
+    """A plan parent: answers "not held" at once until `begun`, then serves (or, `holds`, holds every
+    request for its whole wait and answers "not held": fetching, but the chunk does not come in time)."""
+
+    def __init__(self, name: str, data: dict[str, bytes], begun: bool = False, holds: bool = False):
+        self.name, self.peer_id = name, name
+        self.data, self.begun, self.holds = data, begun, holds
+        self.asked: list[str] = []
+
+    async def manifest(self, version: int, max_bytes: int) -> bytes:
+        raise NotImplementedError
+
+    async def plan(self, version: int, max_bytes: int) -> bytes:
+        raise NotImplementedError
+
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+        self.asked.append(ref.sha256)
+        if self.holds:
+            await asyncio.sleep(wait)  # the parent's hold, scripted: the whole wait, then "not held"
+            raise SourceMissing(f"{self.name}: not held")
+        if not self.begun:
+            raise SourceMissing(f"{self.name}: not held")
+        return self.data[ref.sha256]
+
+
+def _version(count: int) -> tuple[Manifest, dict[str, bytes]]:
+    blobs = [f"chunk {i} ".encode() * 40 for i in range(count)]
+    data = {hashlib.sha256(b).hexdigest(): b for b in blobs}
+    refs = [ChunkRef(sha256=h, size=len(b)) for h, b in data.items()]
+    manifest = Manifest(swarm="s", version=1, created_ms=1, chunk_size=4096,
+                        files=[FileEntry(name="model.safetensors", size=sum(r.size for r in refs), sha256="0" * 64,
+                                         chunks=refs)])
+    return manifest, data
+
+
+def test_a_parent_that_has_not_begun_is_asked_again_and_the_learner_not_at_all(tmp_path: Path):
+    config = FetchConfig(parallel_chunks=4, source_wait_s=10.0)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(8)
+    parent = Parent("relay:parent", data)
+    learner = Parent("learner:llll", data, begun=True)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(fetcher.fetch_chunks(
+            manifest, lambda i, ref: [(parent, config.source_wait_s), (learner, 0.0)], publisher=learner.name))
+        while len(parent.asked) < 8 and not task.done():  # bounded by the patience (10 s)
+            await asyncio.sleep(0.01)  # poll interval of a bounded wait
+        parent.begun = True  # its fetch begins: the chunks asked again now come from it
+        await asyncio.wait_for(task, 20)
+
+    asyncio.run(scenario())
+    assert learner.asked == []
+    assert fetcher.bytes_from == {parent.name: sum(map(len, data.values()))}
+    assert fetcher.stats["parent_not_begun"] >= 4 and fetcher.stats["parent_passed_over"] == 0
+
+
+def test_a_parent_that_never_begins_costs_one_patience_not_one_per_chunk(tmp_path: Path):
+    config = FetchConfig(parallel_chunks=2, source_wait_s=0.5)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(12)
+    parent = Parent("relay:stale", data)
+    learner = Parent("learner:llll", data, begun=True)
+    started = time.monotonic()
+    asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(parent, config.source_wait_s), (learner, 0.0)],
+                                     publisher=learner.name))
+    elapsed = time.monotonic() - started
+    assert len(learner.asked) == 12 and fetcher.stats["parent_passed_over"] == 1
+    # asked again for about one patience (0.5 s, every 0.1-0.2 s, 2 in flight), then once per chunk left
+    assert len(parent.asked) <= 12 + 2 * 0.5 / 0.1 + 2
+    assert elapsed < 0.5 + 3.0
+
+
+def test_a_parent_that_held_the_request_and_lacks_the_chunk_is_gone_around_at_once(tmp_path: Path):
+    config = FetchConfig(parallel_chunks=1, source_wait_s=0.2)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(2)
+    parent = Parent("relay:behind", data, holds=True)
+    learner = Parent("learner:llll", data, begun=True)
+    asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(parent, config.source_wait_s), (learner, 0.0)],
+                                     publisher=learner.name))
+    assert len(parent.asked) == 2 and len(learner.asked) == 2  # one held ask per chunk, no second
+    assert fetcher.stats["parent_not_begun"] == 0
+
+
+def test_a_holder_without_a_wait_is_never_asked_again(tmp_path: Path):
+    fetcher = PolicyFetcher(FetchConfig(parallel_chunks=1), ChunkStore(tmp_path))
+    manifest, data = _version(3)
+    holder = Parent("relay:other", data)  # lists the version, answers "not held": next source at once
+    learner = Parent("learner:llll", data, begun=True)
+    asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(holder, 0.0), (learner, 0.0)], publisher=learner.name))
+    assert len(holder.asked) == 3 and len(learner.asked) == 3 and fetcher.stats["parent_not_begun"] == 0
