@@ -377,7 +377,14 @@ class PublishConfig(StrictModel):
 
     model: Path | None = Field(None, description="Hugging Face model directory (safetensors) to publish and train.")
     policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
-    chunk_size: int = Field(8 * MiB, description="Bytes per chunk (64 KiB .. 64 MiB); accepts '8MiB'.")
+    chunk_size: int | Literal["auto"] = Field(
+        "auto",
+        description="Bytes per chunk (64 KiB .. 64 MiB; accepts '8MiB'), or `auto`: about AUTO_CHUNKS (256) chunks "
+        "per version, the largest power of two <= dense bytes / 256 within 64 KiB .. 8 MiB (a 40 MB model: "
+        "128 KiB; 1 GiB: 4 MiB; 16 GB: 8 MiB, ~1900 chunks). A chunk is what each hop of a broadcast chain "
+        "stores and verifies before forwarding it, so each hop adds a chunk's transfer time: small models "
+        "need small chunks to pipeline; each chunk costs a request and a manifest entry (~100 bytes).",
+    )
     delta_chunk_size: int = Field(
         64 * 1024,
         description="Bytes per chunk of a delta file (16 KiB .. 64 MiB, at most chunk_size; accepts '64KiB'). A delta "
@@ -416,7 +423,9 @@ class PublishConfig(StrictModel):
 
     @field_validator("chunk_size", mode="before")
     @classmethod
-    def _size(cls, v: object) -> int:
+    def _size(cls, v: object) -> int | str:
+        if v == "auto":
+            return v
         n = parse_bytes(v)  # type: ignore[arg-type]
         if not 64 * 1024 <= n <= 64 * MiB:
             raise ValueError("chunk_size must be between 64KiB and 64MiB")
@@ -432,10 +441,27 @@ class PublishConfig(StrictModel):
 
     @model_validator(mode="after")
     def _delta_chunks(self) -> "PublishConfig":
-        if self.delta_chunk_size > self.chunk_size:
+        # With `auto` the publisher cuts deltas at most as finely as the size it picks (>= 64 KiB).
+        if self.chunk_size != "auto" and self.delta_chunk_size > self.chunk_size:
             raise ValueError(f"publish.delta_chunk_size ({self.delta_chunk_size}) must be at most publish.chunk_size "
                              f"({self.chunk_size}): a manifest's chunks are at most its chunk_size")
         return self
+
+
+AUTO_CHUNKS = 256  # publish.chunk_size = "auto": about this many chunks per version
+AUTO_CHUNK_MIN = 64 * 1024
+AUTO_CHUNK_MAX = 8 * MiB
+
+
+def auto_chunk_size(total_bytes: int) -> int:
+    """`publish.chunk_size = "auto"` for a version of `total_bytes` (its dense weights and files): the largest
+    power of two <= total_bytes / AUTO_CHUNKS, within AUTO_CHUNK_MIN .. AUTO_CHUNK_MAX.
+
+    >>> auto_chunk_size(40 * 10**6), auto_chunk_size(10**9), auto_chunk_size(16 * 10**9)
+    (131072, 2097152, 8388608)
+    """
+    target = max(1, total_bytes // AUTO_CHUNKS)
+    return max(AUTO_CHUNK_MIN, min(AUTO_CHUNK_MAX, 1 << (target.bit_length() - 1)))
 
 
 class _DaemonBase(StrictModel):

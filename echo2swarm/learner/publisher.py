@@ -21,8 +21,9 @@ import io
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
+from echo2swarm.config.models import auto_chunk_size
 from echo2swarm.policy.manifest import (
     SAFETENSORS_MAX_HEADER,
     BaseRef,
@@ -128,17 +129,24 @@ class Publisher:
     """
 
     def __init__(
-        self, swarm: str, key: PolicyKey, chunks: ChunkStore, versions: VersionStore, chunk_size: int, peer_id: str,
-        delta_chunk_size: int | None = None,
+        self, swarm: str, key: PolicyKey, chunks: ChunkStore, versions: VersionStore,
+        chunk_size: int | Literal["auto"], peer_id: str, delta_chunk_size: int | None = None,
     ):
         self.swarm = swarm
         self.key = key
         self.chunks = chunks
         self.versions = versions
-        self.chunk_size = chunk_size
-        # delta files in finer chunks (publish.delta_chunk_size), so they pipeline down the chains
-        self.delta_chunk_size = min(delta_chunk_size or chunk_size, chunk_size)
+        self.chunk_setting = chunk_size  # "auto": sized to each version (`auto_chunk_size`) when it is published
+        self.delta_setting = delta_chunk_size
+        self._sized(0)
         self.peer_id = peer_id
+
+    def _sized(self, total_bytes: int) -> None:
+        """Set this version's chunk size (`auto`: from its `total_bytes`) and its delta chunk size."""
+        setting = self.chunk_setting
+        self.chunk_size = setting if isinstance(setting, int) else auto_chunk_size(total_bytes)
+        # delta files in finer chunks (publish.delta_chunk_size), so they pipeline down the chains
+        self.delta_chunk_size = min(self.delta_setting or self.chunk_size, self.chunk_size)
 
     def _add_file(self, name: str, source: Path | bytes, chunk_size: int | None = None) -> FileEntry:
         digest, refs, size = hashlib.sha256(), [], 0
@@ -165,6 +173,7 @@ class Publisher:
         """Publish named files (paths, or bytes such as freshly trained safetensors weights) as `version`."""
         started = time.monotonic()
         names = sorted(files)
+        self._sized(sum(f.stat().st_size if isinstance(f, Path) else len(f) for f in files.values()))
         entries = [self._add_file(name, files[name]) for name in names]
         tensors = [t for name in names if name.endswith(".safetensors") for t in self._tensors(name, files[name])]
         manifest = Manifest(
@@ -201,6 +210,8 @@ class Publisher:
 
         started = time.monotonic()
         dense = save_safetensors(state, metadata={"format": "pt"})
+        self._sized(len(dense) + sum(f.stat().st_size if isinstance(f, Path) else len(f)
+                                     for name, f in extras.items() if name != WEIGHTS_FILE))
         primary = encode_delta(previous.tensors, state) if previous is not None else None
         reason = keyframe_due(version, keyframe.version if keyframe else None,
                               None if primary is None else len(primary), len(dense), keyframe_every, max_ratio)

@@ -212,7 +212,7 @@ def test_learner_with_model_and_key_is_accepted() -> None:
     config = load_config("learner", None, environ={}, overrides={"publish.model": "m", "publish.policy_key": "k"})
     assert isinstance(config, LearnerConfig)
     assert config.publish.model == Path("m")
-    assert config.publish.chunk_size == 8 * MiB
+    assert config.publish.chunk_size == "auto"  # sized to each version (auto_chunk_size)
 
 
 def test_learner_rejects_follower_only_settings() -> None:
