@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import OrderedDict
 
 from echo2swarm.config.models import FetchConfig
@@ -22,6 +23,7 @@ from echo2swarm.policy.budgets import Refused
 from echo2swarm.policy.server import ChunkService
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+CONNECTED_S = 10.0  # a stream to a peer opened this recently: its next one is opened without connecting first
 
 
 def _version(request: dict[str, object]) -> int:
@@ -121,14 +123,27 @@ class P2PSource:
         self.config = config
         self.name = name or f"p2p:{peer_id[-8:]}"
         self._protocol = stream_name(overlay.config.swarm, "chunks")
+        self._opened_at = float("-inf")  # when a stream to this peer last opened
 
     async def _get(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
+        # A stream opened less than CONNECTED_S ago: the connection is up, so skip p2pd's connect (a
+        # control request and the addresses' parsing, per chunk); if the stream does not open, connect.
+        if time.monotonic() - self._opened_at < CONNECTED_S:
+            try:
+                return await self._request(request, max_bytes, timeout, wait, dial=False)
+            except SourceUnreachable:
+                self._opened_at = float("-inf")
+        return await self._request(request, max_bytes, timeout, wait, dial=True)
+
+    async def _request(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float,
+                       dial: bool) -> bytes:
         connect_timeout = min(timeout, self.overlay.config.dht_timeout_s + wait)
         try:
             # The newest card's addresses: a peer behind NAT gains its /p2p-circuit address after it joined.
-            maddrs = self.overlay.known_maddrs(self.peer_id) or self.maddrs
+            maddrs = (self.overlay.known_maddrs(self.peer_id) or self.maddrs) if dial else []
             async with open_frames(self.overlay.p2p, self.peer_id, maddrs, self._protocol, request,
                                    connect_timeout) as (head, body):
+                self._opened_at = time.monotonic()
                 status, size = head["status"], head["size"]
                 if status in (429, 503):  # refused for now: this peer's share, or the server, is full
                     raise SourceBusy(f"{self.name}: busy ({status}): {str(head.get('error', ''))[:100]}")

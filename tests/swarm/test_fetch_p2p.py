@@ -45,12 +45,22 @@ def test_chunks_travel_over_libp2p_verified_and_at_the_upload_limit(tmp_path: Pa
             source = P2PSource(b, a.peer_id, await a.visible_maddrs(), FetchConfig())
             store = ChunkStore(tmp_path / "b")
             fetcher = PolicyFetcher(FetchConfig(parallel_chunks=3), store)
+            connects = []  # p2pd connect requests b makes (the real client's, counted)
+            connect = b.p2p._client.connect
+
+            async def counted(*args: object, **kwargs: object) -> None:
+                connects.append(args)
+                await connect(*args, **kwargs)
+
+            b.p2p._client.connect = counted
             manifest, _ = await fetcher.fetch_manifest(head, [source], trusted=key.public, swarm="p2p")
             loop = asyncio.get_running_loop()
             started = loop.time()
             n = await fetcher.fetch_chunks(manifest, rotating([source]))
             elapsed = loop.time() - started
             assert n == len(manifest.chunk_refs()) > 1
+            # The first request connects; the chunks that follow open streams on that connection (CONNECTED_S).
+            assert len(connects) <= 3 < n
             for ref in manifest.chunk_refs():
                 assert hashlib.sha256(store.get(ref.sha256)).hexdigest() == ref.sha256
             with pytest.raises(SourceMissing):
