@@ -20,8 +20,10 @@ Chains are ordered by advertised upload bandwidth, fastest first: every peer but
 the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers without a
 cap (`upload_bps` null) count as fastest. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
 which keeps it far below MAX_PLAN_BYTES; the rest fetch from holders. The plan is a hint, signed by the policy key so that nobody
-else can steer the swarm's traffic; fetchers fall back to any holder (learner last) when their
-parent is slow, gone or lying, and peers that joined after publication use holders only.
+else can steer the swarm's traffic; fetchers keep asking a parent that has not begun the version yet
+(`fetcher.ParentPatience`, up to fetch.source_wait_s: it saw the head a moment after its child), fall
+back to any holder (learner last) when their parent is slow, gone or lying, and peers that joined
+after publication use holders only.
 """
 
 from __future__ import annotations
