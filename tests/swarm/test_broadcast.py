@@ -64,11 +64,15 @@ def test_chained_broadcast_keeps_the_learner_upload_near_one_copy(
     assert sorted(plan["stripes"][0]) == sorted(r.info["peer_id"] for r in relays)
     served = _info(learner)["stats"]["server"]["bytes_served"]
     model = _model_bytes(tiny_model_dir)
-    # Four full copies left the swarm's peers; the learner uploaded at most two of them.
-    assert served <= 2 * model, (served, model)
+    # Four full copies left the swarm's peers; the learner uploaded about one of them: a relay whose plan
+    # parent had not begun v1 yet asked it again (ParentPatience) instead of the learner, and none routed
+    # a chunk before it knew its parent's card.
+    assert served <= 1.5 * model, (served, model)
     from_peers = 0
     for relay in relays:
-        sources = _info(relay)["stats"]["fetched_from"]
+        stats = _info(relay)["stats"]
+        assert stats["fetch"].get("parent_unknown", 0) == 0, stats["fetch"]
+        sources = stats["fetched_from"]
         from_peers += sum(n for name, n in sources.items() if not name.startswith("learner:"))
         assert _genuine_chunks(relay.state_dir) > 1
     assert from_peers >= 2 * model, "most bytes must have come from peers, not from the learner"
