@@ -63,23 +63,24 @@ Why this layout: measured by scripts/bench_delta.py on a 69M-parameter Qwen3-sty
 GRPOTrainer (fp32 master, AdamW, bf16 publish, two updates a version; docs/benchmarks.md, "Delta
 versions"). Under AdamW a step is about lr whatever the weight's size, so a bf16 value changes with a
 probability of roughly step / ulp, and the ulp doubles with each exponent: at lr 1e-5 the classes run
-from 98 % changed (exponent -14) to 2.6 % (-5); at lr 1e-6, v9 -> v10, from 60 % to 0.1 %. The
+from 98 % changed (exponent -14) to 2.6 % (-5); at lr 1e-6, v9 -> v10, from 82 % to 0.3 %. The
 follower knows every item's class, so the floor is the entropy given the class, measured on the real
 deltas (bits per changed value; the bench's --compare table):
 
                                       lr 1e-5 v9->v10 (16.5 % changed)     lr 1e-6 v9->v10 (3.0 %)
-    H(changed) + H(d), no context           6.26  (15.5x dense bf16)
-    H(changed | key) + H(d | key)           4.60  (21.1x)                       (90.7x)
+    H(changed) + H(z), no context           6.26  (15.5x dense bf16)            (63.8x)
+    H(changed | key) + H(z | key)           4.60  (21.1x)                       (90.8x)
     e2s-delta/1 (gaps of all classes
       in one stream, zigzag byte planes)    5.76  (16.9x)                        (72.5x)
     THIS FORMAT                             4.68  (20.75x)                       (85.8x)
 
-(adding the tensor, the sign, the mantissa's top bits, per-row or per-column change rates to the key
-lowers the floor by under 1 %, or by less than the side information costs). The gains over
+(adding the tensor, the sign and the mantissa's top bits to the key lowers the floor by under 1 %;
+per-row and per-column change rates of the matrices, sent as side information, by ~1.4 % net at v10
+and not at all at v1). The gains over
 e2s-delta/1: a class whose changes are dense (15-85 %) codes a packed bitmap, whose bytes zstd's
 Huffman stage codes at ~1 % over the class's entropy, where gaps of mixed classes cost 17 % more; a
 class nearly all changed codes the gaps of the few unchanged; and values packed at the class's own
-width (one bit a change where every change is one ulp: the sign alone) cost 1.06x their conditional
+width (one bit a change where every change is one ulp: the sign alone) cost 1.03x their conditional
 entropy where zigzag byte planes cost 1.4x (a byte symbol costs zstd's Huffman at least a bit).
 
 Pure: no network, no disk, no per-item Python loops (numpy throughout; loops run per class and per run of
