@@ -13,7 +13,8 @@ the frame header, no checksum) whose content is, all integers little-endian:
     header     "E2SD" | u16 version = 2 | u32 n_tensors
     tensors    per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
                  u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel
-    classes    per class of the base (below), in class order: u8 mode | u8 width | u8 escapes | u64 n_changed
+    classes    u32 n_classes, then per class of the base (below), in class order:
+                 u8 itemsize | u8 key | u64 items | u8 mode | u8 width | u8 escapes | u64 n_changed
     bitmap     for each class of mode 0 (BITMAP), in class order: one bit per item of the class, in its
                visiting order, 1 = changed; the classes' bits follow each other without padding, packed
                low bit first (bit i of the section is bit i % 8 of its byte i // 8); the last byte's
@@ -39,18 +40,21 @@ item is read from the BASE's bit pattern b (an unsigned itemsize-byte integer): 
 & 0xFF, the 8 bits below the sign bit (bf16's and fp32's exponent); for itemsize 1 every key is 0. A
 class's items, in visiting order: tensors in table order, within a tensor ascending index (flat,
 row-major); an item's rank is its place in that order (from 0), `items` their number. The decoder knows
-the base, so it knows every class, its items and their order: only which of them changed, and how, is sent.
+the base, so it knows every class, its items and their order: only which of them changed, and how, is
+sent (with each class's size, as a check that the base is the one the delta was made against).
 
 The value of a change is z = zigzag(d) - 1, d = new_bits - base_bits modulo 2^(8*itemsize) read as a
 signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift): z =
 0, 1, 2, 3 .. for d = -1, +1, -2, +2 .. (one ulp down, one up: the common changes at small learning
 rates). With escapes = 0 a field is z; with escapes = 1 (only where width < 8*itemsize) a field of
 2^width - 1 means z = 2^width - 1 + its overflow, any other field is z. The new bits are base_bits +
-unzigzag(z + 1) modulo 2^(8*itemsize). A decoder refuses: a mode other than 0-2, a width not in 1, 2,
-4, .., 64 or wider than the item, escapes other than 0/1 or 1 at the item's full width, n_changed >
-items, a bitmap whose set bits differ from n_changed, padding bits that are not 0, a gap of 0 or a rank
->= items, a varint not in shortest form, a z of 2^(8*itemsize) - 1 or more (no change, or past the
-item's bits), and bytes after the last section.
+unzigzag(z + 1) modulo 2^(8*itemsize). A decoder refuses, as "wrong_base", a class count or a class's
+itemsize, key or items that differ from the base's (a delta made against another base; one whose
+base has these very exponents fails the tensor hashes instead), and as "malformed": a mode other than
+0-2, a width not in 1, 2, 4, .., 64 or wider than the item, escapes other than 0/1 or 1 at the item's
+full width, n_changed > items, a bitmap whose set bits differ from n_changed, padding bits that are
+not 0, a gap of 0 or a rank >= items, a varint not in shortest form, a z of 2^(8*itemsize) - 1 or
+more (no change, or past the item's bits), and bytes after the last section.
 
 What the encoder chooses (any choice rebuilds the same tensors; the bytes here are this encoder's):
 mode BITMAP where the class's changed fraction p is inside `BITMAP_BAND` = (0.15, 0.85), else
@@ -120,7 +124,7 @@ _MAGIC = b"E2SD"
 _VERSION = 2
 _HEADER = struct.Struct("<4sHI")
 _ENTRY = struct.Struct("<BQ")
-_CLASS = struct.Struct("<BBBQ")
+_CLASS = struct.Struct("<BBQBBBQ")  # itemsize, key, items, mode, width, escapes, n_changed
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 _MAX_VARINT = 9  # 63 bits: any gap within a class of fewer than 2^63 items
@@ -352,7 +356,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
                 lo, hi = bounds[key], bounds[key + 1]
                 masks.setdefault((size, key), []).append(flags[lo:hi])
                 values.setdefault((size, key), []).append(z[upto[lo]:upto[hi]])
-    classes, bitmaps, gaps, fields, overflow = [], [], [], [], []
+    classes, bitmaps, gaps, fields, overflow = [struct.pack("<I", len(masks))], [], [], [], []
     low, high = BITMAP_BAND
     for cls in sorted(masks):
         size = cls[0]
@@ -369,7 +373,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             mode = GAPS_UNCHANGED
             gaps.append(np.diff(np.flatnonzero(~mask), prepend=-1))
         width, escapes, packed, over = _choose_width(z, size, level)
-        classes.append(_CLASS.pack(mode, width, int(escapes), count))
+        classes.append(_CLASS.pack(size, cls[1], items, mode, width, int(escapes), count))
         fields.append(packed)
         overflow.append(over)
     bitmap = np.packbits(np.concatenate(bitmaps), bitorder="little") if bitmaps else np.zeros(0, np.uint8)
@@ -392,7 +396,7 @@ def max_delta_bytes(base: Mapping[str, torch.Tensor]) -> int:
 
 
 def _max_delta_bytes(layout: Layout) -> int:
-    bound = _HEADER.size
+    bound = _HEADER.size + 4
     for itemsize in {size for size, _ in layout.values()}:
         bound += 256 * (_CLASS.size + 1)  # a class entry and a padding byte of fields per key
     for name, (itemsize, numel) in layout.items():
@@ -534,10 +538,17 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
                for size in sorted(set(run_size.tolist())) for key in range(256)
                if per_run[run_size == size, key].any()]
     try:
+        (n_classes,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if n_classes != len(classes):
+            raise DeltaError("wrong_base", f"delta has {n_classes} classes, the base has {len(classes)}")
         for c in classes:
-            c.mode, c.width, c.escapes, c.count = _CLASS.unpack_from(raw, pos)
+            size, key, items, c.mode, c.width, c.escapes, c.count = _CLASS.unpack_from(raw, pos)
             pos += _CLASS.size
             where = f"class (itemsize {c.size}, key {c.key})"
+            if (size, key, items) != (c.size, c.key, c.items):
+                raise DeltaError("wrong_base", f"{where}: the delta has class (itemsize {size}, key {key}) of "
+                                 f"{items} items here, the base {c.items} items")
             if c.mode not in (BITMAP, GAPS_CHANGED, GAPS_UNCHANGED) or c.width not in WIDTHS \
                     or c.width > 8 * c.size or c.escapes not in (0, 1) or (c.escapes and c.width == 8 * c.size):
                 raise DeltaError("malformed", f"{where}: mode {c.mode}, width {c.width}, escapes {c.escapes}")

@@ -83,7 +83,7 @@ def test_round_trip_sparse_changes_every_dtype(dtype):
 def test_none_changed_and_all_changed(dtype):
     base = model_like(dtype)
     blob = round_trip(base, {k: v.clone() for k, v in base.items()})
-    assert len(blob) < 200
+    assert len(blob) < 400    # the tensor table and the class table (each class of the base: its size, no changes)
     everything = {k: nudged(v, 1.0, seed=3) for k, v in base.items()}
     assert all((tensor_bits(everything[k]) != tensor_bits(base[k])).all() for k in base)
     round_trip(base, everything)
@@ -141,7 +141,7 @@ def test_the_content_follows_the_documented_layout():
     expected = (b"E2SD" + struct.pack("<HI", 2, 2)
                 + struct.pack("<H", 1) + b"a" + struct.pack("<BQ", 2, 2)
                 + struct.pack("<H", 1) + b"b" + struct.pack("<BQ", 2, 300)
-                + struct.pack("<BBBQ", GAPS_CHANGED, 16, 0, 2)
+                + struct.pack("<I", 1) + struct.pack("<BBQBBBQ", 2, 0, 302, GAPS_CHANGED, 16, 0, 2)
                 + bytes([0x01, 0xFE, 0x00, 0xFF])   # plane 0: low bytes of z 0x0001 and 0xFFFE; plane 1: high
                 + bytes([3, 0xC8, 0x01]))           # gaps 3 (from -1 to rank 2) and 200 (2 -> 202) as LEB128
     assert content == expected
@@ -162,7 +162,8 @@ def test_changes_are_visited_by_the_base_exponent_then_index():
     # Classes (2, 117): items 1, 3; (2, 127): items 0, 2. Each has its first item changed (half: a
     # bitmap) and one-bit values.
     expected = (b"E2SD" + struct.pack("<HI", 2, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQ", 2, 4)
-                + struct.pack("<BBBQ", BITMAP, 1, 0, 1) * 2
+                + struct.pack("<I", 2) + struct.pack("<BBQBBBQ", 2, 117, 2, BITMAP, 1, 0, 1)
+                + struct.pack("<BBQBBBQ", 2, 127, 2, BITMAP, 1, 0, 1)
                 + bytes([0b0101])       # bitmap: class 117's bits 1, 0 then class 127's 1, 0, low bit first
                 + bytes([0, 1]))        # values: class 117's z = 0 (its own byte), class 127's z = 1
     assert content == expected
@@ -173,7 +174,7 @@ def test_position_modes_follow_the_changed_fraction(fraction, mode):
     base = {"w": torch.ones(5000, dtype=torch.bfloat16)}    # one class: key 127
     new = {"w": nudged(base["w"], fraction, seed=2)}
     content = content_of(round_trip(base, new))
-    head = len(b"E2SD") + 6 + 2 + 1 + 9
+    head = len(b"E2SD") + 6 + (2 + 1 + 9) + 4 + (1 + 1 + 8)   # header, the tensor, n_classes, the class
     assert content[head] == mode and content[head + 1] == 1    # one-ulp steps: one-bit values
 
 
@@ -182,7 +183,7 @@ def test_escapes_and_overflow_decode_as_documented():
     z = [0, 1, 0, 1, 0, 1, 0, 300]
     # All 8 changed (no gaps of unchanged); width 1 with escapes: a field of 1 is 1 + its overflow.
     content = (b"E2SD" + struct.pack("<HI", 2, 1) + struct.pack("<H", 1) + b"w" + struct.pack("<BQ", 2, 8)
-               + struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 1, 8)
+               + struct.pack("<I", 1) + struct.pack("<BBQBBBQ", 2, 0, 8, GAPS_UNCHANGED, 1, 1, 8)
                + bytes([0b10101010])                # fields min(z, 1), low bit first
                + bytes([0, 0, 0, 299 & 0xFF, 0, 0, 0, 299 >> 8]))  # overflows z - 1 of the 4 escapes, 2 planes
     rebuilt = apply_delta(base, frame(content))
@@ -292,12 +293,14 @@ def table_entry(name: str, itemsize: int, numel: int) -> bytes:
 
 def unchanged_classes(base: dict[str, torch.Tensor]) -> bytes:
     """The class table of a delta that changes nothing: one entry per (itemsize, key) of the base."""
-    classes = set()
+    items: dict[tuple[int, int], int] = {}
     for t in base.values():
         bits = tensor_bits(t)
-        keys = {0} if t.element_size() == 1 else set((bits >> (8 * t.element_size() - 9)).astype(np.uint8).tolist())
-        classes |= {(t.element_size(), k) for k in keys}
-    return struct.pack("<BBBQ", GAPS_CHANGED, 1, 0, 0) * len(classes)
+        keys = np.zeros(bits.size, np.uint8) if t.element_size() == 1 else (bits >> (8 * t.element_size() - 9))
+        for k, n in zip(*np.unique(keys.astype(np.uint8), return_counts=True)):
+            items[t.element_size(), int(k)] = items.get((t.element_size(), int(k)), 0) + int(n)
+    return struct.pack("<I", len(items)) + b"".join(
+        struct.pack("<BBQBBBQ", size, key, n, GAPS_CHANGED, 1, 0, 0) for (size, key), n in sorted(items.items()))
 
 
 def test_table_that_does_not_fit_the_base(pair):
@@ -307,6 +310,16 @@ def test_table_that_does_not_fit_the_base(pair):
     none = unchanged_classes(base)
     assert apply_delta(base, frame(head + good_a + good_b + none))["a.weight"].equal(base["a.weight"])
     refused(base, frame(head + good_a + good_b + none[:-1]), "malformed", "class table is truncated")
+    # Classes that are not the base's: a delta made against another base.
+    (n_classes,) = struct.unpack_from("<I", none)
+    refused(base, frame(head + good_a + good_b + struct.pack("<I", n_classes + 1) + none[4:]), "wrong_base",
+            f"{n_classes + 1} classes")
+    first = bytearray(none)
+    first[6] ^= 1   # the first class's items
+    refused(base, frame(head + good_a + good_b + bytes(first)), "wrong_base", "items here")
+    first = bytearray(none)
+    first[5] ^= 1   # the first class's key
+    refused(base, frame(head + good_a + good_b + bytes(first)), "wrong_base", "items here")
     refused(base, frame(head + good_a + good_b + none + b"\x00"), "malformed", "beyond")
     refused(base, frame(b"E2SD" + struct.pack("<HI", 2, 3) + good_a + good_b), "wrong_base", "3 tensors")
     refused(base, frame(head + good_a + table_entry("c.weight", 2, 25)), "wrong_base", "lacks")
@@ -324,11 +337,16 @@ def zeros_delta(entry: bytes, *sections: bytes, numel: int = 25) -> bytes:
     return frame(b"E2SD" + struct.pack("<HI", 2, 1) + table_entry("w", 2, numel) + entry + b"".join(sections))
 
 
+def class_entry(mode: int, width: int, escapes: int, n: int, items: int = 25) -> bytes:
+    """The class table of `zeros_delta`: its one class (itemsize 2, key 0) with this entry."""
+    return struct.pack("<I", 1) + struct.pack("<BBQBBBQ", 2, 0, items, mode, width, escapes, n)
+
+
 def test_positions_out_of_range_or_not_increasing():
     base = {"w": torch.zeros(25, dtype=torch.bfloat16)}
 
     def gaps(raw: bytes, n: int) -> bytes:
-        return zeros_delta(struct.pack("<BBBQ", GAPS_CHANGED, 1, 0, n), bytes(-(-n // 8)), raw)
+        return zeros_delta(class_entry(GAPS_CHANGED, 1, 0, n), bytes(-(-n // 8)), raw)
 
     rebuilt = apply_delta(base, gaps(b"\x01\x18", 2))["w"]                          # ranks 0 and 24
     assert np.flatnonzero(tensor_bits(rebuilt)).tolist() == [0, 24]
@@ -340,18 +358,16 @@ def test_positions_out_of_range_or_not_increasing():
     refused(base, gaps(b"\xff" * 9 + b"\x01", 1), "malformed", "within the 1 bytes")
     refused(base, gaps(b"\xff\xff\xff\xff\xff\xff\xff\xff\x7f\x01", 2), "malformed", "within the 2 bytes")
     # Gaps of the unchanged: 23 changed of 25, the unchanged at ranks 3 and 4.
-    unchanged = zeros_delta(struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04\x01")
+    unchanged = zeros_delta(class_entry(GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04\x01")
     assert np.flatnonzero(tensor_bits(apply_delta(base, unchanged)["w"]) == 0).tolist() == [3, 4]
-    refused(base, zeros_delta(struct.pack("<BBBQ", GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04"),
+    refused(base, zeros_delta(class_entry(GAPS_UNCHANGED, 1, 0, 23), bytes(3), b"\x04"),
             "malformed", "ends after 1 of 2")
 
 
 def test_class_entries_and_sections_that_do_not_fit():
     base = {"w": torch.zeros(25, dtype=torch.bfloat16)}
 
-    def entry(mode: int, width: int, escapes: int, n: int) -> bytes:
-        return struct.pack("<BBBQ", mode, width, escapes, n)
-
+    entry = class_entry
     bitmap_0_24 = bytes([1, 0, 0, 1])   # bits 0 and 24 of 25, low bit first
     assert apply_delta(base, zeros_delta(entry(BITMAP, 1, 0, 2), bitmap_0_24, b"\x02"))["w"].count_nonzero() == 2
     refused(base, zeros_delta(entry(3, 1, 0, 0)), "malformed", "mode 3")
