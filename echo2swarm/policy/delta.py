@@ -120,6 +120,7 @@ BITMAP_BAND = (0.15, 0.85)  # the encoder codes a class's positions as a bitmap 
 BITMAP, GAPS_CHANGED, GAPS_UNCHANGED = 0, 1, 2  # position modes of a class
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # value field widths in bits
 _MAX_ESCAPED = 0.25  # the encoder tries widths with escapes only where at most this fraction escapes
+_BITS_AT_ONCE = 1 << 24  # bitmap bits a decoder unpacks at once
 _MAGIC = b"E2SD"
 _VERSION = 2
 _HEADER = struct.Struct("<4sHI")
@@ -329,8 +330,9 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
     if set(base) != set(new):
         raise ValueError(f"tensor names differ: {sorted(set(base) ^ set(new))[:5]}")
     table = [_HEADER.pack(_MAGIC, _VERSION, len(new))]
-    # per class (itemsize, key): the changed flags of its items and the values of its changes, in visiting order
-    masks: dict[tuple[int, int], list[np.ndarray]] = {}
+    # per class (itemsize, key): the changed flags of its items (bit-packed segments and their lengths, an
+    # eighth of a byte an item while the tensors are read) and the values of its changes, in visiting order
+    masks: dict[tuple[int, int], list[tuple[np.ndarray, int]]] = {}
     values: dict[tuple[int, int], list[np.ndarray]] = {}
     for name in sorted(new):
         b, n = base[name], new[name]
@@ -354,18 +356,22 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
             upto = np.concatenate(([0], np.cumsum(flags)))
             for key in np.flatnonzero(counts).tolist():
                 lo, hi = bounds[key], bounds[key + 1]
-                masks.setdefault((size, key), []).append(flags[lo:hi])
+                masks.setdefault((size, key), []).append((np.packbits(flags[lo:hi]), int(hi - lo)))
                 values.setdefault((size, key), []).append(z[upto[lo]:upto[hi]])
-    classes, bitmaps, gaps, fields, overflow = [struct.pack("<I", len(masks))], [], [], [], []
+    classes, bitmap, gaps, fields, overflow = [struct.pack("<I", len(masks))], [], [], [], []
+    carry = np.zeros(0, bool)  # the bitmap's bits not yet a whole byte
     low, high = BITMAP_BAND
     for cls in sorted(masks):
         size = cls[0]
-        mask = np.concatenate(masks.pop(cls))
+        mask = np.concatenate([np.unpackbits(packed, count=n).view(bool) for packed, n in masks.pop(cls)])
         z = np.concatenate(values.pop(cls))
         items, count = mask.size, z.size
         if count and count < items and low < count / items < high:
             mode = BITMAP
-            bitmaps.append(mask)
+            bits = np.concatenate((carry, mask))
+            whole = bits.size // 8 * 8
+            bitmap.append(np.packbits(bits[:whole], bitorder="little").tobytes())
+            carry = bits[whole:]
         elif count / items <= low or count == 0:
             mode = GAPS_CHANGED
             gaps.append(np.diff(np.flatnonzero(mask), prepend=-1))
@@ -376,9 +382,9 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         classes.append(_CLASS.pack(size, cls[1], items, mode, width, int(escapes), count))
         fields.append(packed)
         overflow.append(over)
-    bitmap = np.packbits(np.concatenate(bitmaps), bitorder="little") if bitmaps else np.zeros(0, np.uint8)
+    bitmap.append(np.packbits(carry, bitorder="little").tobytes())
     positions = encode_varints(np.concatenate(gaps).astype(np.uint64)) if gaps else np.zeros(0, np.uint8)
-    content = b"".join([*table, *classes, bitmap.tobytes(), *fields, positions.tobytes(), *overflow])
+    content = b"".join([*table, *classes, *bitmap, *fields, positions.tobytes(), *overflow])
     return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False,
                                     threads=0).compress(content)
 
@@ -564,19 +570,25 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
         pos += n
         return buf[pos - n:pos]
 
-    # Positions coded as bitmaps: one bit an item, the classes' bits in a row, low bits first.
+    # Positions coded as bitmaps: one bit an item, the classes' bits in a row, low bits first; unpacked
+    # `_BITS_AT_ONCE` at a time (a byte a bit while unpacked).
     mapped = [c for c in classes if c.mode == BITMAP]
-    flags = np.unpackbits(take(-(-sum(c.items for c in mapped) // 8), "bitmap"), bitorder="little")
+    total = sum(c.items for c in mapped)
+    section = take(-(-total // 8), "bitmap")
     offset = 0
     for c in mapped:
-        c.ranks = np.flatnonzero(flags[offset:offset + c.items])
+        ranks = []
+        for lo in range(0, c.items, _BITS_AT_ONCE):
+            first, n = offset + lo, min(_BITS_AT_ONCE, c.items - lo)
+            unpacked = np.unpackbits(section[first // 8:-(-(first + n) // 8)], bitorder="little")
+            ranks.append(np.flatnonzero(unpacked[first % 8:first % 8 + n]) + lo)
+        c.ranks = np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
         offset += c.items
         if c.ranks.size != c.count:
             raise DeltaError("malformed", f"class (itemsize {c.size}, key {c.key}): its bitmap holds "
                              f"{c.ranks.size} changes, its entry {c.count}")
-    if flags[offset:].any():
+    if total % 8 and section[-1] >> np.uint8(total % 8):
         raise DeltaError("malformed", "the bitmap's padding bits are not zero")
-    del flags
     # Values: each class's fields, then (after the gaps) the overflow of its escaped fields.
     for c in classes:
         if c.count:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import zstandard
 
+from echo2swarm.policy import delta
 from echo2swarm.policy.delta import (
     BITMAP,
     DELTA_FORMAT,
@@ -446,3 +447,14 @@ def test_max_delta_bytes_bounds_every_honest_delta():
     expected_floor = sum(t.numel() * t.element_size() for t in base.values())
     assert expected_floor < max_delta_bytes(base) < 3 * expected_floor + 1000
     assert math.isfinite(max_delta_bytes({}))
+
+
+def test_bitmaps_unpacked_in_pieces_across_unaligned_classes(monkeypatch):
+    # Several bitmap classes of odd sizes (their bits start mid-byte), unpacked 24 bits at a time.
+    monkeypatch.setattr(delta, "_BITS_AT_ONCE", 24)
+    g = torch.Generator().manual_seed(11)
+    scales = torch.tensor([1.0, 2.0, 4.0, 8.0]).repeat_interleave(torch.tensor([101, 257, 59, 333]))
+    base = {"w": (scales * (1 + torch.rand(750, generator=g) * 0.5)).bfloat16()}
+    new = {"w": nudged(base["w"], 0.5, seed=12)}
+    content = content_of(round_trip(base, new))
+    assert content.count(struct.pack("<BB", BITMAP, 1)) >= 3
