@@ -92,7 +92,8 @@ class GRPOTrainer(UpdatePath):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = self._load_policy()  # on the device before the optimizer, so its state is created there
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                           betas=(config.adam_beta1, config.adam_beta2))
         self.reference = self._load_reference() if config.kl_coef > 0 else None
         self.verifier: Verifier | None = None
         if self.verify_config.enabled:

@@ -104,3 +104,12 @@ def test_single_update_matches_grpo_loss_with_the_configured_options(tiny_model_
                                                                       max_completion_length=config.max_new_tokens))
     stats = trainer.step(groups, current_version=2)
     assert stats["loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_adam_betas_reach_the_optimizer_and_are_validated(tiny_model_dir: Path) -> None:
+    trainer = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", adam_beta1=0.5, adam_beta2=0.99), verify=UNVERIFIED)
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.5, 0.99)
+    for bad in ({"adam_beta1": 1.0}, {"adam_beta1": -0.1}, {"adam_beta2": 0.0}, {"adam_beta2": 1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TrainConfig(**bad)
