@@ -64,8 +64,9 @@ and each narrower one (with escapes) at which at most a quarter of them escape; 
 level are libzstd's. A version's hashes cover the resulting tensors, not the frame.
 
 Why this layout: measured by scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained by
-GRPOTrainer (fp32 master, AdamW, bf16 publish, two updates a version; docs/benchmarks.md, "Delta
-versions"). Under AdamW a step is about lr whatever the weight's size, so a bf16 value changes with a
+GRPOTrainer (fp32 master, AdamW with beta1 0.9, bf16 publish, two updates a version; docs/benchmarks.md,
+"Delta versions", which also has the trainer's current beta1 0.7: more values change, the floor and this
+format's bytes move together). Under AdamW a step is about lr whatever the weight's size, so a bf16 value changes with a
 probability of roughly step / ulp, and the ulp doubles with each exponent: at lr 1e-5 the classes run
 from 98 % changed (exponent -14) to 2.6 % (-5); at lr 1e-6, v9 -> v10, from 82 % to 0.3 %. The
 follower knows every item's class, so the floor is the entropy given the class, measured on the real

@@ -12,7 +12,8 @@ from echo2swarm.config.models import FetchConfig, PublishConfig
 def test_defaults():
     fetch, publish = FetchConfig(), PublishConfig()
     assert fetch.head_wait_s == 10.0 and fetch.delta_order_items == 2**27
-    assert publish.delta_chunk_size == 64 * 1024 <= publish.chunk_size
+    # chunk_size is 'auto' by default (64 KiB .. 8 MiB, resolved per version): never below the delta chunks
+    assert publish.delta_chunk_size == 64 * 1024 and publish.chunk_size == "auto"
 
 
 @pytest.mark.parametrize("field, value", [("head_wait_s", -1), ("head_wait_s", 301), ("delta_order_items", -1),
