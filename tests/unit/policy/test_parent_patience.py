@@ -20,24 +20,18 @@ from echo2swarm.policy.fetcher import PolicyFetcher
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.sources import SourceMissing
 from echo2swarm.policy.store import ChunkStore
+from tests.unit.policy.test_source_bans import FakeSource
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class Parent:
+class Parent(FakeSource):
     """A plan parent: answers "not held" at once until `begun`, then serves (or, `holds`, holds every
     request for its whole wait and answers "not held": fetching, but the chunk does not come in time)."""
 
     def __init__(self, name: str, data: dict[str, bytes], begun: bool = False, holds: bool = False):
-        self.name, self.peer_id = name, name
-        self.data, self.begun, self.holds = data, begun, holds
-        self.asked: list[str] = []
-
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
-        raise NotImplementedError
-
-    async def plan(self, version: int, max_bytes: int) -> bytes:
-        raise NotImplementedError
+        super().__init__(name, data)
+        self.begun, self.holds = begun, holds
 
     async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
         self.asked.append(ref.sha256)
