@@ -7,86 +7,19 @@
 A delta is exact: it compares bit patterns, not values (so -0.0 vs 0.0 and NaN payloads are
 changes like any other), and rebuilding gives the same bytes as the learner's dense tensor.
 
-Format "e2s-delta/2": one zstandard frame (level `ZSTD_LEVEL` = 1, single-threaded, content size in
-the frame header, no checksum) whose content is, all integers little-endian:
+Format "e2s-delta/2", specified byte for byte in docs/protocol.md §5.6.1 (with a worked example and the
+measurements behind it): one zstandard frame (level `ZSTD_LEVEL`, content size declared) holding a
+header, the tensor table, and per *class* of the base (item size, the 8 bits below the sign bit:
+bf16's and fp32's exponent) how many of its items changed, coded as a packed bitmap (changed fraction in
+`BITMAP_BAND`) or as gaps between changed or between unchanged ranks, and each change's value
+z = zigzag(new - base) - 1 packed at the class's own width, with escapes and an overflow section. A
+class's items are visited tensor by tensor (table order), by ascending index within a tensor; the
+decoder knows the base, so it knows every class and its items: only which changed, and how, is sent.
 
-    header     "E2SD" | u16 version = 2 | u32 n_tensors
-    tensors    per tensor, names in ascending code-point (= UTF-8 byte) order, each name once:
-                 u16 name_len | name (UTF-8) | u8 itemsize (1, 2, 4 or 8) | u64 numel
-    classes    u32 n_classes, then per class of the base (below), in class order:
-                 u8 itemsize | u8 key | u64 items | u8 mode | u8 width | u8 escapes | u64 n_changed
-    bitmap     for each class of mode 0 (BITMAP), in class order: one bit per item of the class, in its
-               visiting order, 1 = changed; the classes' bits follow each other without padding, packed
-               low bit first (bit i of the section is bit i % 8 of its byte i // 8); the last byte's
-               unused bits are 0
-    values     for each class with n_changed > 0, in class order: one `width`-bit field per change, in
-               visiting order. Width 1, 2 or 4: 8 / width fields a byte, low bits first (field i of the
-               class is bits width*(i % (8/width)) .. of its byte i // (8/width)), the class's last byte
-               zero-padded; width 8, 16, 32 or 64: width/8 byte planes, plane j (j = 0 first) holding
-               byte j of every field (little-endian)
-    gaps       for each class of mode 1 (GAPS_CHANGED), n_changed varints; of mode 2 (GAPS_UNCHANGED),
-               items - n_changed varints; classes in class order: the gaps between the ranks (in the
-               class's visiting order) of its changed (mode 1) or unchanged (mode 2) items, the first
-               counting from -1 (every gap >= 1), as unsigned LEB128 varints in their shortest form (7
-               bits a byte, low bits first, the high bit set on every byte but the last)
-    overflow   for each class with escapes = 1, in class order: for each of its fields equal to
-               2^width - 1, in visiting order, (value - (2^width - 1)) as an itemsize-byte integer; the
-               class's overflows as itemsize byte planes (byte j of every overflow, j = 0 first)
-    nothing after the last section.
-
-Classes and visiting order: a class is a pair (itemsize, key) such that at least one item of the base's
-tensors of that item size has that key; classes in ascending itemsize, then ascending key. The key of an
-item is read from the BASE's bit pattern b (an unsigned itemsize-byte integer): (b >> (8*itemsize - 9))
-& 0xFF, the 8 bits below the sign bit (bf16's and fp32's exponent); for itemsize 1 every key is 0. A
-class's items, in visiting order: tensors in table order, within a tensor ascending index (flat,
-row-major); an item's rank is its place in that order (from 0), `items` their number. The decoder knows
-the base, so it knows every class, its items and their order: only which of them changed, and how, is
-sent (with each class's size, as a check that the base is the one the delta was made against).
-
-The value of a change is z = zigzag(d) - 1, d = new_bits - base_bits modulo 2^(8*itemsize) read as a
-signed itemsize-byte integer, zigzag(d) = (d << 1) XOR (d >> (8*itemsize - 1)) (arithmetic shift): z =
-0, 1, 2, 3 .. for d = -1, +1, -2, +2 .. (one ulp down, one up: the common changes at small learning
-rates). With escapes = 0 a field is z; with escapes = 1 (only where width < 8*itemsize) a field of
-2^width - 1 means z = 2^width - 1 + its overflow, any other field is z. The new bits are base_bits +
-unzigzag(z + 1) modulo 2^(8*itemsize). A decoder refuses, as "wrong_base", a class count or a class's
-itemsize, key or items that differ from the base's (a delta made against another base; one whose
-base has these very exponents fails the tensor hashes instead), and as "malformed": a mode other than
-0-2, a width not in 1, 2, 4, .., 64 or wider than the item, escapes other than 0/1 or 1 at the item's
-full width, n_changed > items, a bitmap whose set bits differ from n_changed, padding bits that are
-not 0, a gap of 0 or a rank >= items, a varint not in shortest form, a z of 2^(8*itemsize) - 1 or
-more (no change, or past the item's bits), and bytes after the last section.
-
-What the encoder chooses (any choice rebuilds the same tensors; the bytes here are this encoder's):
-mode BITMAP where the class's changed fraction p is inside `BITMAP_BAND` = (0.15, 0.85), else
-GAPS_CHANGED (p <= 0.15) or GAPS_UNCHANGED (p >= 0.85), the one with fewer gaps; the width whose fields
-and overflow compress smallest at the level, among the narrowest width that holds every z of the class
-and each narrower one (with escapes) at which at most a quarter of them escape; and zstd's bytes at that
-level are libzstd's. A version's hashes cover the resulting tensors, not the frame.
-
-Why this layout: measured by scripts/bench_delta.py on a 69M-parameter Qwen3-style model trained by
-GRPOTrainer (fp32 master, AdamW with beta1 0.9, bf16 publish, two updates a version; docs/benchmarks.md,
-"Delta versions", which also has the trainer's current beta1 0.7: more values change, the floor and this
-format's bytes move together). Under AdamW a step is about lr whatever the weight's size, so a bf16 value changes with a
-probability of roughly step / ulp, and the ulp doubles with each exponent: at lr 1e-5 the classes run
-from 98 % changed (exponent -14) to 2.6 % (-5); at lr 1e-6, v9 -> v10, from 82 % to 0.3 %. The
-follower knows every item's class, so the floor is the entropy given the class, measured on the real
-deltas (bits per changed value; the bench's --compare table):
-
-                                      lr 1e-5 v9->v10 (16.5 % changed)     lr 1e-6 v9->v10 (3.0 %)
-    H(changed) + H(z), no context           6.26  (15.5x dense bf16)            (63.8x)
-    H(changed | key) + H(z | key)           4.60  (21.1x)                       (90.8x)
-    e2s-delta/1 (gaps of all classes
-      in one stream, zigzag byte planes)    5.76  (16.9x)                        (72.5x)
-    THIS FORMAT                             4.68  (20.75x)                       (85.8x)
-
-(adding the tensor, the sign and the mantissa's top bits to the key lowers the floor by under 1 %;
-per-row and per-column change rates of the matrices, sent as side information, by ~1.4 % net at v10
-and not at all at v1). The gains over
-e2s-delta/1: a class whose changes are dense (15-85 %) codes a packed bitmap, whose bytes zstd's
-Huffman stage codes at ~1 % over the class's entropy, where gaps of mixed classes cost 17 % more; a
-class nearly all changed codes the gaps of the few unchanged; and values packed at the class's own
-width (one bit a change where every change is one ulp: the sign alone) cost 1.03x their conditional
-entropy where zigzag byte planes cost 1.4x (a byte symbol costs zstd's Huffman at least a bit).
+Why classes by exponent: under AdamW a step is about lr whatever the weight's size, so a bf16 value
+changes with a probability of roughly step / ulp, and the ulp doubles with each exponent; given its
+class, a change costs within ~2 % of the conditional entropy floor (scripts/bench_delta.py; at lr 1e-5
+about 21x below dense bf16, at lr 1e-6 about 86-91x, both with beta1 0.9; docs/benchmarks.md).
 
 Pure: no network, no disk, no per-item Python loops (numpy throughout; loops run per class and per run of
 `RUN_ITEMS` items). Every length is bounded by what the base tensors say: the frame must declare its
