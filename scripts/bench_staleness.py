@@ -291,7 +291,9 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=2)
     parser.add_argument("--model", type=Path, default=None, help="a warmed-up model dir (default: warm one up)")
     parser.add_argument("--run-dir", type=Path, default=None)
-    parser.add_argument("--png", type=Path, default=Path("docs/bench_staleness.png"))
+    parser.add_argument("--png", type=Path, default=None,
+                        help="write the reward-vs-step plot here (default: docs/bench_staleness.png, "
+                        "or no plot with --variants-only, whose runs are not the documented sweep)")
     parser.add_argument("--json", type=Path, default=None, help="write every run's summary here")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     parser.add_argument("--jsonl", type=Path, default=None, help="append each run's summary here as it ends")
@@ -389,8 +391,10 @@ def main() -> int:
                   f"{statistics.fmean(r['staleness_mean'] for r in runs):10.2f} "
                   f"{statistics.fmean(r['accuracy'] for r in runs):9.3f} "
                   f"{statistics.fmean(r['dropped_stale'] for r in runs):7.0f} {len(runs):4d}")
-    plot(results, args.png)
-    print(f"\nplot: {args.png}")
+    png = args.png if args.png is not None or args.variants_only else Path("docs/bench_staleness.png")
+    if png is not None:
+        plot(results, png)
+        print(f"\nplot: {png}")
     if args.json:
         args.json.write_text(json.dumps({m: {str(s): [{k: v for k, v in r.items() if k != 'curve'} for r in runs]
                                              for s, runs in by_s.items()} for m, by_s in results.items()}, indent=1))
