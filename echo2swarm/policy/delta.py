@@ -49,7 +49,7 @@ __all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "apply_delta_bits", "enc
 
 DELTA_FORMAT = "e2s-delta/2"
 ZSTD_LEVEL = 1
-RUN_ITEMS = 1 << 20  # items a stable sort of keys covers at once (`visit_orders`); no part of the format
+RUN_ITEMS = 1 << 18  # items a stable sort of keys covers at once (`visit_orders`); no part of the format
 BITMAP_BAND = (0.15, 0.85)  # the encoder codes a class's positions as a bitmap when its changed fraction is inside
 BITMAP, GAPS_CHANGED, GAPS_UNCHANGED = 0, 1, 2  # position modes of a class
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # value field widths in bits
