@@ -54,7 +54,8 @@ def test_cpu_step_matches_the_plain_cpu_recipe(tiny_model_dir: Path) -> None:
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay,
+                                  betas=(config.adam_beta1, config.adam_beta2))
     logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     loss, _ = grpo_loss(logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
                         clip_low=config.clip_low, clip_high=config.clip_high, is_cap=config.is_cap)
