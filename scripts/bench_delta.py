@@ -63,6 +63,7 @@ from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
 from echo2swarm.models.tiny import build_tiny_model  # noqa: E402
 from echo2swarm.models.warmup import supervised_warmup  # noqa: E402
 from echo2swarm.policy import delta as codec  # noqa: E402
+from echo2swarm.policy import orders as codec_orders  # noqa: E402
 from echo2swarm.policy.delta import (  # noqa: E402
     ZSTD_LEVEL,
     apply_delta,
@@ -206,9 +207,9 @@ def _layout_v1(base: State, new: State) -> tuple[bytes, list[np.ndarray], list[n
         old_bits, new_bits = tensor_bits(base[name]), tensor_bits(new[name])
         size = old_bits.dtype.itemsize
         ranks, index = [], []
-        for start in range(0, old_bits.size, codec.RUN_ITEMS):
-            old, now = old_bits[start:start + codec.RUN_ITEMS], new_bits[start:start + codec.RUN_ITEMS]
-            keys = codec._run_keys(old)
+        for start in range(0, old_bits.size, codec_orders.RUN_ITEMS):
+            old, now = old_bits[start:start + codec_orders.RUN_ITEMS], new_bits[start:start + codec_orders.RUN_ITEMS]
+            keys = codec_orders.run_keys(old)
             order = np.arange(old.size) if keys is None else np.argsort(keys, kind="stable")
             rank = np.flatnonzero((old != now)[order])
             ranks.append(rank + start)

@@ -292,9 +292,9 @@ class FetchConfig(StrictModel):
     delta_order_items: int = Field(
         2**27, ge=0, le=2**40,
         description="Largest held version, in weight items (parameters), whose delta visiting orders a follower "
-        "computes ahead at idle priority while it waits for the next version, so that rebuilding a delta skips "
-        "the sorts that dominate it (policy/catchup.BaseOrders). Costs 4 bytes of RAM per item (2**27: 512 MiB "
-        "at most). 0: never; the rebuild then sorts on the critical path.",
+        "keeps, so that rebuilding a delta skips the sorts that dominate it (policy/orders.py): computed at idle "
+        "priority after a dense install, then advanced by each rebuild. Costs 4 bytes of RAM per item (2**27: "
+        "512 MiB at most). 0: never; every rebuild then sorts on the critical path.",
     )
     manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
     chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")

@@ -23,7 +23,7 @@ import json
 import os
 import shutil
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +33,8 @@ from echo2swarm.runtime.logging import get_logger
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from echo2swarm.policy.orders import TensorOrder
 
 logger = get_logger(__name__)
 ORDERS_NICE = 10  # the orders thread's nice: it yields to the peer's own work (a nice-0 thread gets ~10x its share)
@@ -195,7 +197,7 @@ def _safetensors_layout(path: Path, size: int) -> dict[str, _Slot]:
 
 
 def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
-            orders: "Mapping[str, np.ndarray] | None" = None) -> list[str]:
+            orders: "MutableMapping[str, TensorOrder] | None" = None) -> list[str]:
     """Write the version's weights file at `out`, rebuilt from the base version's installed weights
     and `blob`, every tensor checked against the manifest; DeltaRefused otherwise (`out` removed).
     Returns the names of the tensors the delta changed.
@@ -204,8 +206,27 @@ def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest
     applied in place through a memory map, and only the tensors it changed are hashed. An unchanged
     tensor is the base's, which was checked against the base's signed hash when the base was
     installed: it passes when the new manifest signs that same hash (else it is hashed, and refused
-    unless it matches). `orders`: the base's visiting orders computed ahead (`BaseOrders`), if any.
+    unless it matches).
+
+    `orders`: the base's visiting orders (`BaseOrders.take`), any subset of its tensors. They are
+    advanced in place into the rebuilt version's (`orders.py`): on return they are the new version's,
+    for the next delta. When a rebuild with orders fails its hash check, the orders were not the
+    base's (a bug): they are emptied and the rebuild is done again without them, so a wrong order
+    never refuses a right delta.
     """
+    try:
+        return _rebuild(manifest, delta, base_dir, base, blob, out, orders)
+    except DeltaRefused as e:
+        if not orders or e.reason != "tensor_hash":
+            raise
+        logger.warning("v%d: the rebuild with visiting orders computed ahead failed its hash check; "
+                       "rebuilding without them", manifest.version)
+        orders.clear()
+        return _rebuild(manifest, delta, base_dir, base, blob, out, None)
+
+
+def _rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
+             orders: "MutableMapping[str, TensorOrder] | None") -> list[str]:
     import numpy as np
 
     from echo2swarm.policy.delta import DeltaError, apply_delta_bits
@@ -223,7 +244,7 @@ def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest
         mm = np.memmap(out, dtype=np.uint8, mode="r+", shape=(size,))
         bits = {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
         try:
-            changed = apply_delta_bits(bits, blob, orders)
+            changed = apply_delta_bits(bits, blob, orders, advance=True)
         except DeltaError as e:
             raise DeltaRefused(e.reason, f"v{manifest.version} from v{base.version}: {e}") from None
         expected = {t.name: t for t in manifest.tensors}
@@ -261,35 +282,48 @@ def weights_bits(path: Path) -> "dict[str, np.ndarray]":
 
 
 class BaseOrders:
-    """The visiting orders (`delta.visit_orders`) of the version a follower holds, computed ahead at
-    low priority, so that rebuilding the next delta against it skips the sorts that dominate it.
+    """The visiting orders (policy/orders.py) of the version a follower holds, so that rebuilding
+    the next delta against it neither sorts nor counts.
 
-    One thread, niced to ORDERS_NICE where the OS allows (Linux: per thread), so it yields to the
-    peer's own work; it publishes each tensor's order as it completes. `take(version, sha)` stops it
-    and returns the tensors done so far for that exact version and manifest (the rebuild sorts the
-    others itself: nothing computed is wasted), or None for any other base. Memory: 4 bytes per item
-    of the held weights, only when they have at most `max_items` items (0: never). A wrong order
-    could only rebuild tensors that fail their hash check: it never installs anything.
+    After a delta rebuild they come for free: the rebuild advanced the base's orders into the new
+    version's (`adopt`). After a dense install (a keyframe, a new joiner), or for tensors the rebuild
+    had none for, one thread computes them, niced to ORDERS_NICE where the OS allows (Linux: per
+    thread) so it yields to the peer's own work, publishing each tensor's order as it completes.
+    `take(version, sha)` stops it and returns the tensors done so far for that exact version and
+    manifest (the rebuild sorts the others itself: nothing computed is wasted), or None for any other
+    base. Memory: 4 bytes per item of the held weights, only when they have at most `max_items` items
+    (0: never). A wrong order could only rebuild tensors that fail their hash check, and `rebuild`
+    then redoes it without orders: it never installs or refuses anything by itself.
     """
 
     def __init__(self, max_items: int):
         self.max_items = max_items
         self._key: tuple[int, str] | None = None
-        self._orders: "dict[str, np.ndarray]" = {}
+        self._orders: "dict[str, TensorOrder]" = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def adopt(self, version: int, manifest_sha256: str, orders: "dict[str, TensorOrder]") -> None:
+        """Hold `orders` (advanced by a rebuild, possibly partial) as those of `version`."""
+        self.stop()
+        if orders:
+            self._key, self._orders = (version, manifest_sha256), orders
+
     def start(self, version: int, manifest_sha256: str, manifest: Manifest, weights: Path) -> None:
-        """Compute the orders of `version` (installed, its weights at `weights`) in the background."""
+        """Compute the orders of `version` (installed, its weights at `weights`) in the background,
+        those of the tensors it does not hold already (`adopt`)."""
+        have = self._orders if self._key == (version, manifest_sha256) else {}
+        if have and len(have) >= sum(_ITEMSIZE.get(_DTYPES.get(t.dtype, ""), 2) > 1 for t in manifest.tensors):
+            return  # every tensor's order came with the rebuild
         self.stop()
         numel = sum(_numel(t.shape) for t in manifest.tensors)
         if not 0 < numel <= self.max_items:
             return
-        stop, orders = threading.Event(), {}
+        stop, orders = threading.Event(), dict(have)
         self._key, self._orders, self._stop = (version, manifest_sha256), orders, stop
 
         def work() -> None:
-            from echo2swarm.policy.delta import visit_orders
+            from echo2swarm.policy.orders import visit_orders
 
             with contextlib.suppress(OSError, AttributeError):  # a low priority, for this thread only
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ORDERS_NICE)
@@ -301,7 +335,7 @@ class BaseOrders:
         self._thread = threading.Thread(target=work, name=f"orders-v{version}", daemon=True)
         self._thread.start()
 
-    def take(self, version: int, manifest_sha256: str) -> "dict[str, np.ndarray] | None":
+    def take(self, version: int, manifest_sha256: str) -> "dict[str, TensorOrder] | None":
         """The tensors' orders done so far for exactly that base (the computation stops); else None."""
         key, orders = self._key, self._orders
         self.stop()

@@ -34,22 +34,24 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, MutableMapping
 
 from typing import TYPE_CHECKING
 
 import numpy as np
 import zstandard
 
+from echo2swarm.policy.orders import RUN_ITEMS, TensorOrder, key_counts, run_keys
+from echo2swarm.policy.orders import advance as advance_order
+
 if TYPE_CHECKING:  # torch is imported where tensors are made: rebuilding in place needs numpy only
     import torch
 
 __all__ = ["DELTA_FORMAT", "DeltaError", "apply_delta", "apply_delta_bits", "encode_delta", "max_delta_bytes",
-           "tensor_bits", "tensor_sha256", "visit_orders"]
+           "tensor_bits", "tensor_sha256"]
 
 DELTA_FORMAT = "e2s-delta/2"
 ZSTD_LEVEL = 1
-RUN_ITEMS = 1 << 18  # items a stable sort of keys covers at once (`visit_orders`); no part of the format
 BITMAP_BAND = (0.15, 0.85)  # the encoder codes a class's positions as a bitmap when its changed fraction is inside
 BITMAP, GAPS_CHANGED, GAPS_UNCHANGED = 0, 1, 2  # position modes of a class
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # value field widths in bits
@@ -157,55 +159,6 @@ def _check_pair(name: str, b: torch.Tensor, n: torch.Tensor) -> None:
         raise ValueError(f"{name}: base {b.dtype}{tuple(b.shape)} vs new {n.dtype}{tuple(n.shape)}")
 
 
-def _visit_order(base_bits: np.ndarray, start: int, stop: int) -> np.ndarray | None:
-    """Offsets (from `start`) of the run's items in visiting order: by key, ties by index; None: index order."""
-    itemsize = base_bits.dtype.itemsize
-    if itemsize == 1:
-        return None
-    # the cast to uint8 keeps the low 8 bits: (b >> (8*itemsize - 9)) & 0xFF in one pass fewer
-    key = (base_bits[start:stop] >> base_bits.dtype.type(8 * itemsize - 9)).astype(np.uint8)
-    return np.argsort(key, kind="stable")
-
-
-def visit_orders(bits: Mapping[str, np.ndarray], stop: Callable[[], bool] = lambda: False,
-                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Every tensor's visiting order, ahead of a delta against these bits (`apply_delta_bits(orders=)`):
-    per tensor of itemsize > 1, each run's item offsets in visiting order, runs concatenated (uint32,
-    numel items: 4 bytes an item). What rebuilding costs most (one stable sort a run) depends on the
-    base alone, so a follower can compute it while it waits for the next version.
-
-    Tensors are added to `out` (returned) as each is complete; when `stop()` turns true (checked
-    between runs) it returns with the tensors done so far: a rebuild sorts the rest itself."""
-    out = {} if out is None else out
-    for name, b in bits.items():
-        if b.dtype.itemsize == 1:
-            continue
-        order = np.empty(b.size, np.uint32)
-        for start in range(0, b.size, RUN_ITEMS):
-            if stop():
-                return out
-            stop_at = min(start + RUN_ITEMS, b.size)
-            order[start:stop_at] = _visit_order(b, start, stop_at)  # type: ignore[assignment]
-        out[name] = order
-    return out
-
-
-def _run_keys(run: np.ndarray) -> np.ndarray | None:
-    """The key of each item of a run: (b >> (8*itemsize - 9)) & 0xFF of its base bits; None: all 0 (itemsize 1)."""
-    if run.dtype.itemsize == 1:
-        return None
-    # the cast to uint8 keeps the low 8 bits: (b >> (8*itemsize - 9)) & 0xFF in one pass fewer
-    return (run >> run.dtype.type(8 * run.dtype.itemsize - 9)).astype(np.uint8)
-
-
-def _key_counts(keys: np.ndarray | None, size: int) -> np.ndarray:
-    if keys is None:
-        counts = np.zeros(256, np.int64)
-        counts[0] = size
-        return counts
-    return np.bincount(keys, minlength=256)
-
-
 def _pack_fields(fields: np.ndarray, width: int) -> bytes:
     """Fields of `width` bits: below 8, packed low bits first into bytes (the last byte zero-padded); from 8
     on, width/8 byte planes (byte j of every field, little-endian, then byte j+1)."""
@@ -279,8 +232,8 @@ def encode_delta(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tenso
         table += [struct.pack("<H", len(encoded)), encoded, _ENTRY.pack(size, n.numel())]
         for start in range(0, old_bits.size, RUN_ITEMS):
             old, now = old_bits[start:start + RUN_ITEMS], new_bits[start:start + RUN_ITEMS]
-            keys = _run_keys(old)
-            counts = _key_counts(keys, old.size)
+            keys = run_keys(old)
+            counts = key_counts(keys, old.size)
             changed = old != now
             order = None if keys is None else np.argsort(keys, kind="stable")
             flags = changed if order is None else changed[order]
@@ -450,19 +403,23 @@ def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torc
 
 
 def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
-                     orders: Mapping[str, np.ndarray] | None = None) -> list[str]:
+                     orders: MutableMapping[str, TensorOrder] | None = None, advance: bool = False) -> list[str]:
     """Apply the delta IN PLACE to the base's bit patterns: `bits` maps every base tensor's name to
     its flat, writable unsigned array of its item size (e.g. views into a copy of the base's
     safetensors file). Returns the names of the tensors with at least one change.
 
-    `orders`: `visit_orders(bits)` computed ahead (it must be of these very bits: a wrong order
-    rebuilds wrong tensors, which the caller's hash check then refuses). DeltaError if malformed;
-    then some arrays may be changed already: apply only to a copy.
+    `orders`: the base's visiting orders (`orders.visit_orders(bits)`, any subset of the tensors), so
+    that nothing is sorted or counted here; they must be of these very bits (a wrong order rebuilds
+    wrong tensors, which the caller's hash check then refuses). `advance`: change them in place into
+    the rebuilt bits' orders (`orders.advance`; a tensor whose order proves wrong is dropped from
+    `orders`). DeltaError if malformed; then some arrays (and orders) may be changed already: apply
+    only to a copy.
     """
     layout = {name: (a.dtype.itemsize, a.size) for name, a in bits.items()}
     raw = _decompress(layout, blob)
     names, pos = _read_table(layout, raw)
     buf = np.frombuffer(raw, dtype=np.uint8)
+    held = {} if orders is None else {n: o for n, o in orders.items() if n in bits and o.fits(bits[n])}
     # The base's runs (of RUN_ITEMS items a tensor) and how many items of each key each holds.
     runs: list[tuple[str, int, int]] = []
     counts: list[np.ndarray] = []
@@ -471,7 +428,8 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
         for start in range(0, tensor.size, RUN_ITEMS):
             run = tensor[start:start + RUN_ITEMS]
             runs.append((name, start, run.size))
-            counts.append(_key_counts(_run_keys(run), run.size))
+            counts.append(held[name].counts[start // RUN_ITEMS] if name in held
+                          else key_counts(run_keys(run), run.size))
     per_run = np.array(counts, np.int64).reshape(-1, 256)
     run_size = np.array([bits[name].dtype.itemsize for name, _, _ in runs], np.int64)
     classes = [_Class(size, key, int(per_run[run_size == size, key].sum()))
@@ -579,20 +537,30 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
                 parts[row].append((c.ranks[lo:hi] - segment + int(starts[row, c.key]), c.z[lo:hi]))
             lo = hi
     changed: list[str] = []
+    moved: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}  # items whose key changed
     for (name, start, size), row in zip(runs, parts):
         if not row:
             continue
         run = bits[name][start:start + size]
         ranks = np.concatenate([r for r, _ in row])
         z = np.concatenate([v for _, v in row])
-        order = None if orders is None else orders.get(name)
+        ahead = held.get(name)
         if run.dtype.itemsize == 1:
             index = ranks
-        elif order is not None and order.dtype == np.uint32 and order.size == bits[name].size:
-            index = order[start:start + size][ranks]
+        elif ahead is not None:
+            index = ahead.order[start:start + size][ranks]
         else:
-            index = np.argsort(_run_keys(run), kind="stable")[ranks]
-        run[index] += _unzigzag(z + z.dtype.type(1))
+            index = np.argsort(run_keys(run), kind="stable")[ranks]
+        old = run[index]
+        run[index] = old + _unzigzag(z + z.dtype.type(1))
+        if advance and ahead is not None:
+            was, now = run_keys(old), run_keys(run[index])
+            move = np.flatnonzero(was != now)
+            if move.size:
+                moved.setdefault(name, []).append((start // RUN_ITEMS, index[move], was[move], now[move]))
         if not changed or changed[-1] != name:
             changed.append(name)
+    for name, items in moved.items():
+        if not advance_order(held[name], items):
+            del orders[name]  # type: ignore[union-attr]  # not of these bits: recomputed later
     return changed

@@ -188,9 +188,11 @@ class VersionInstaller:
                         # written in place in the version being assembled (checked before the rename installs it)
                         out = assembly.path(m.weights_file or "model.safetensors")
                         orders = self.orders.take(delta.base.version, delta.base.manifest_sha256)
-                        spans["sorted_ahead"] += bool(orders)  # hops with at least one tensor sorted ahead
+                        spans["sorted_ahead"] += bool(orders)  # hops with at least one tensor's order ahead
                         await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version), base, blob,
                                                 out, orders)
+                        if orders:  # advanced by the rebuild: the next delta's base orders, unsorted
+                            self.orders.adopt(m.version, hop.linked.sha256, orders)
                     else:
                         await asyncio.to_thread(check_dense, m, assembly.tmp)
                 except DeltaRefused:

@@ -17,7 +17,6 @@ from echo2swarm.policy.delta import (
     DELTA_FORMAT,
     GAPS_CHANGED,
     GAPS_UNCHANGED,
-    RUN_ITEMS,
     ZSTD_LEVEL,
     DeltaError,
     apply_delta,
@@ -28,8 +27,8 @@ from echo2swarm.policy.delta import (
     max_delta_bytes,
     tensor_bits,
     tensor_sha256,
-    visit_orders,
 )
+from echo2swarm.policy.orders import RUN_ITEMS, TensorOrder, advance, visit_orders
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,9 +205,70 @@ def test_runs_of_the_visiting_order_across_a_large_tensor():
     # The same rebuild in place, with the base's visiting orders computed ahead (what a follower does).
     bits = {k: tensor_bits(v).copy() for k, v in base.items()}
     orders = visit_orders(bits)
-    assert set(orders) == {"big"} and orders["big"].dtype == np.uint32
+    assert set(orders) == {"big"} and orders["big"].order.dtype == np.uint32 and orders["big"].counts.shape == (3, 256)
     assert sorted(apply_delta_bits(bits, blob, orders)) == ["big", "bytes"]
     assert all(np.array_equal(bits[k], tensor_bits(new[k])) for k in new)
+
+
+def same_orders(a: dict[str, TensorOrder], b: dict[str, TensorOrder]) -> bool:
+    return set(a) == set(b) and all(np.array_equal(a[k].order, b[k].order) and np.array_equal(a[k].counts, b[k].counts)
+                                    for k in a)
+
+
+def test_advanced_orders_are_the_rebuilt_versions_over_a_chain_of_deltas():
+    """A follower advances the held orders with each rebuild instead of sorting again: after every
+    delta of a chain (values crossing powers of two, so items change class, in several runs) the
+    advanced orders equal a fresh sort of the rebuilt bits, and the rebuilt bits are the learner's."""
+    g = torch.Generator().manual_seed(11)
+    versions = [{"big": (torch.randn(RUN_ITEMS * 2 + 77, generator=g) * 0.02).bfloat16(),
+                 "small": torch.randn(33, 7, generator=g).float(),
+                 "bytes": torch.randint(0, 256, (100,), generator=g, dtype=torch.uint8)}]
+    for step in range(4):
+        new = {k: nudged(v, 0.05, seed=20 + step) for k, v in versions[-1].items()}
+        big = new["big"]
+        big[torch.randint(0, big.numel(), (300,), generator=g)] *= 2.5  # exponents move: items change class
+        big[RUN_ITEMS - 1], big[RUN_ITEMS], big[-1] = -big[RUN_ITEMS - 1] * 4, big[RUN_ITEMS] / 8, 3.0
+        new["small"][0] *= 16
+        versions.append(new)
+    bits = {k: tensor_bits(v).copy() for k, v in versions[0].items()}
+    held = visit_orders(bits)
+    for base, new in zip(versions, versions[1:]):
+        moved = sum(int((run_keys_of(tensor_bits(base[k])) != run_keys_of(tensor_bits(new[k]))).sum())
+                    for k in ("big", "small"))
+        assert moved > 300
+        apply_delta_bits(bits, encode_delta(base, new), held, advance=True)
+        assert all(np.array_equal(bits[k], tensor_bits(new[k])) for k in new)
+        assert same_orders(held, visit_orders(bits))
+
+
+def run_keys_of(bits: np.ndarray) -> np.ndarray:
+    return (bits >> bits.dtype.type(8 * bits.dtype.itemsize - 9)).astype(np.uint8)
+
+
+def test_advance_by_hand():
+    # one run of 6 items with keys [3, 1, 3, 2, 1, 3]: by key, ties by offset: 1@1 1@4 | 2@3 | 3@0 3@2 3@5
+    counts = np.zeros((1, 256), np.int64)
+    counts[0, [1, 2, 3]] = [2, 1, 3]
+    entry = TensorOrder(np.array([1, 4, 3, 0, 2, 5], np.uint32), counts)
+    # item 2 goes from key 3 to 1, item 4 from key 1 to 2
+    assert advance(entry, [(0, np.array([2, 4], np.uint32), np.array([3, 1], np.uint8), np.array([1, 2], np.uint8))])
+    # keys now [3, 1, 1, 2, 2, 3]: 1@1 1@2 | 2@3 2@4 | 3@0 3@5
+    assert entry.order.tolist() == [1, 2, 3, 4, 0, 5] and entry.counts[0, [1, 2, 3]].tolist() == [2, 2, 2]
+    # an order that does not hold the item where its old key says: refused
+    assert not advance(entry, [(0, np.array([0], np.uint32), np.array([1], np.uint8), np.array([2], np.uint8))])
+
+
+def test_wrong_orders_are_dropped_when_advancing():
+    """Orders that are not of the bits (a bug) cannot be advanced: the tensor's order is dropped (the
+    rebuilt bits are then wrong, which the caller's hash check refuses: policy/catchup.rebuild)."""
+    g = torch.Generator().manual_seed(5)
+    base = {"w": (torch.randn(5000, generator=g) * 0.02).bfloat16()}
+    new = {"w": base["w"] * 2.5}  # every item changes, most change class
+    bits = {"w": tensor_bits(base["w"]).copy()}
+    held = visit_orders(bits)
+    held["w"].order[:] = held["w"].order[::-1].copy()
+    apply_delta_bits(bits, encode_delta(base, new), held, advance=True)
+    assert "w" not in held
 
 
 def test_varints_vectorised_match_leb128():

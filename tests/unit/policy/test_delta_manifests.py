@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -245,10 +246,15 @@ def test_unchanged_tensors_pass_on_the_base_s_signed_hash_and_are_hashed_when_it
     assert not out.exists()
 
 
-def test_orders_computed_ahead_rebuild_the_same_bytes_and_wrong_ones_are_refused(published, tmp_path: Path):
-    """BaseOrders sorts the held version at low priority; the rebuild with its orders is the same file.
-    Orders of another version (a bug) rebuild wrong tensors, which the hash check refuses."""
-    from echo2swarm.policy.catchup import BaseOrders
+def test_orders_ahead_rebuild_the_same_bytes_advance_and_wrong_ones_are_dropped(published, tmp_path: Path):
+    """BaseOrders sorts the held version at low priority; the rebuild with its orders is the same file
+    and advances them into the new version's, which BaseOrders then holds without sorting. Orders of
+    another version (a bug) rebuild wrong tensors: the rebuild is redone without them."""
+    from echo2swarm.policy.catchup import BaseOrders, weights_bits
+    from echo2swarm.policy.orders import TensorOrder, visit_orders
+
+    def orders_of(path: Path) -> dict[str, TensorOrder]:
+        return dict(visit_orders({k: v.copy() for k, v in weights_bits(path).items()}))
 
     _, chunks, versions, _, _, linked = published
     m6, m7 = linked[6].manifest, linked[7].manifest
@@ -268,13 +274,32 @@ def test_orders_computed_ahead_rebuild_the_same_bytes_and_wrong_ones_are_refused
     rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, {"w": ahead["w"]})
     assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
     out = tmp_path / "rebuilt.safetensors"
+    ahead = orders_of(versions.dir(6) / WEIGHTS_FILE)
     rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead)
     assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
+    # the rebuild advanced them: they are now v7's own orders, for the next delta
+    fresh = orders_of(versions.dir(7) / WEIGHTS_FILE)
+    assert set(ahead) == set(fresh) and all(np.array_equal(ahead[k].order, fresh[k].order) for k in fresh)
     out.unlink()
-    wrong = {name: order[::-1].copy() for name, order in ahead.items()}
-    with pytest.raises(DeltaRefused) as e:
-        rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, wrong)
-    assert e.value.reason == "tensor_hash" and not out.exists()
+    # Orders of other bits (a bug) rebuild tensors that fail their hash: the rebuild is done again
+    # without them (the right delta is not refused because of our own orders), and they are dropped.
+    wrong = {name: TensorOrder(o.order[::-1].copy(), o.counts) for name, o in orders_of(versions.dir(6) / WEIGHTS_FILE).items()}
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, wrong)
+    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes() and wrong == {}
+    # adopted after the rebuild: held as v7's, nothing sorted when v7 is installed ...
+    orders.adopt(7, linked[7].sha256, ahead)
+    before = orders._thread
+    orders.start(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE)
+    assert orders._thread is before
+    assert orders.take(7, linked[7].sha256) == ahead
+    # ... and when the rebuild had only some tensors' orders, the others are sorted
+    some = dict(list(ahead.items())[:1])
+    orders.adopt(7, linked[7].sha256, some)
+    orders.start(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE)
+    assert orders._thread is not before
+    orders._thread.join(30)
+    done = orders.take(7, linked[7].sha256)
+    assert done is not None and set(done) == set(fresh) and done[next(iter(some))] is some[next(iter(some))]
     small = BaseOrders(max_items=10)  # more items than it may hold: never computed
     small.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
     assert small._thread is None and small.take(6, linked[6].sha256) is None
