@@ -17,8 +17,9 @@ Modes, each over every S and seed:
   step t the engine holds version max(1, t - S), so after the first S steps every group is exactly
   S versions old. Same task, model, batch and seeds as the swarm runs.
 - ``old`` (``--baseline S,...``): the defaults before the staleness work (oldest-first schedule, in-flight
-  (S + 1) R, one update a step, so the PPO ratio is exactly 1), for the "S = 0 no worse" check; with
-  ``--forced``, also ``forced-old``: forced staleness with one update a step.
+  (S + 1) R, one update a step, so the PPO ratio is exactly 1, and the demo's lr before, 3e-4), for the
+  "S = 0 no worse" check; with ``--forced``, also ``forced-old``: forced staleness with one update a
+  step (and lr 3e-4).
 
 - ``forced-NAME`` (``--variant NAME=JSON``, repeatable): forced staleness with these train fields
   overriding today's defaults (e.g. ``--variant e1m2='{"ppo_epochs": 1, "minibatches": 2}'``): for
@@ -48,9 +49,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-OLD_DEFAULTS = {"schedule": "oldest", "ppo_epochs": 1, "minibatches": 1, "inflight_headroom": 10.0}
-OLD_OBJECTIVE = {"ppo_epochs": 1, "minibatches": 1}
-TRAIN = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 4, "lr": 3e-4, "threads": 1}
+from echo2swarm.cli.demo_run import DEMO_LR  # noqa: E402
+
+OLD_LR = 3e-4  # the demo's lr before the sweeps of issue 18 (the "today" the issue measured)
+OLD_DEFAULTS = {"schedule": "oldest", "ppo_epochs": 1, "minibatches": 1, "inflight_headroom": 10.0, "lr": OLD_LR}
+OLD_OBJECTIVE = {"ppo_epochs": 1, "minibatches": 1, "lr": OLD_LR}
+TRAIN = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 4, "lr": DEMO_LR, "threads": 1}
 LAST = 50
 MODES = ("new", "forced", "old", "forced-old")
 
@@ -77,14 +81,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 
 def learner_toml(run: Path, model: Path, key: Path, staleness: int, seed: int, steps: int,
                  overrides: dict[str, Any]) -> Path:
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in overrides.items())
+    fields = "".join(f"{k} = {json.dumps(v)}\n" for k, v in {**TRAIN, **overrides}.items())
     path = run / "learner.toml"
     path.write_text(
         'role = "learner"\n'
         f'[publish]\nmodel = "{model}"\npolicy_key = "{key}"\n'
         f'[train]\ntask = "arith"\nsteps = {steps}\nstaleness = {staleness}\nseed = {seed}\n'
-        "prompts_per_step = 16\ngroup_size = 8\nmax_new_tokens = 4\nlr = 3e-4\nthreads = 1\n"
-        f"checkpoint_every = 1000\n{extra}"
+        f"checkpoint_every = 1000\n{fields}"
         '[leases]\nmax_prompts = 8\ntimeout_s = 20.0\n'
     )
     return path
