@@ -34,7 +34,7 @@ from echo2swarm.runtime.logging import get_logger
 if TYPE_CHECKING:
     import numpy as np
 
-    from echo2swarm.policy.orders import TensorOrder
+    from echo2swarm.policy.orders import Moved, TensorOrder
 
 logger = get_logger(__name__)
 ORDERS_NICE = 10  # the orders thread's nice: it yields to the peer's own work (a nice-0 thread gets ~10x its share)
@@ -197,7 +197,8 @@ def _safetensors_layout(path: Path, size: int) -> dict[str, _Slot]:
 
 
 def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
-            orders: "MutableMapping[str, TensorOrder] | None" = None) -> list[str]:
+            orders: "MutableMapping[str, TensorOrder] | None" = None,
+            moved: "dict[str, list[Moved]] | None" = None) -> list[str]:
     """Write the version's weights file at `out`, rebuilt from the base version's installed weights
     and `blob`, every tensor checked against the manifest; DeltaRefused otherwise (`out` removed).
     Returns the names of the tensors the delta changed.
@@ -208,25 +209,27 @@ def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest
     installed: it passes when the new manifest signs that same hash (else it is hashed, and refused
     unless it matches).
 
-    `orders`: the base's visiting orders (`BaseOrders.take`), any subset of its tensors. They are
-    advanced in place into the rebuilt version's (`orders.py`): on return they are the new version's,
-    for the next delta. When a rebuild with orders fails its hash check, the orders were not the
+    `orders`: the base's visiting orders (`BaseOrders.take`), any subset of its tensors; `moved` is
+    filled with what advancing them into the rebuilt version's takes (`apply_delta_bits`,
+    `BaseOrders.advance`). When a rebuild with orders fails its hash check, the orders were not the
     base's (a bug): they are emptied and the rebuild is done again without them, so a wrong order
     never refuses a right delta.
     """
     try:
-        return _rebuild(manifest, delta, base_dir, base, blob, out, orders)
+        return _rebuild(manifest, delta, base_dir, base, blob, out, orders, moved)
     except DeltaRefused as e:
         if not orders or e.reason != "tensor_hash":
             raise
         logger.warning("v%d: the rebuild with visiting orders computed ahead failed its hash check; "
                        "rebuilding without them", manifest.version)
         orders.clear()
-        return _rebuild(manifest, delta, base_dir, base, blob, out, None)
+        if moved is not None:
+            moved.clear()
+        return _rebuild(manifest, delta, base_dir, base, blob, out, None, None)
 
 
 def _rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
-             orders: "MutableMapping[str, TensorOrder] | None") -> list[str]:
+             orders: "MutableMapping[str, TensorOrder] | None", moved: "dict[str, list[Moved]] | None") -> list[str]:
     import numpy as np
 
     from echo2swarm.policy.delta import DeltaError, apply_delta_bits
@@ -244,7 +247,7 @@ def _rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifes
         mm = np.memmap(out, dtype=np.uint8, mode="r+", shape=(size,))
         bits = {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
         try:
-            changed = apply_delta_bits(bits, blob, orders, advance=True)
+            changed = apply_delta_bits(bits, blob, orders, moved)
         except DeltaError as e:
             raise DeltaRefused(e.reason, f"v{manifest.version} from v{base.version}: {e}") from None
         expected = {t.name: t for t in manifest.tensors}
@@ -285,15 +288,16 @@ class BaseOrders:
     """The visiting orders (policy/orders.py) of the version a follower holds, so that rebuilding
     the next delta against it neither sorts nor counts.
 
-    After a delta rebuild they come for free: the rebuild advanced the base's orders into the new
-    version's (`adopt`). After a dense install (a keyframe, a new joiner), or for tensors the rebuild
-    had none for, one thread computes them, niced to ORDERS_NICE where the OS allows (Linux: per
-    thread) so it yields to the peer's own work, publishing each tensor's order as it completes.
-    `take(version, sha)` stops it and returns the tensors done so far for that exact version and
-    manifest (the rebuild sorts the others itself: nothing computed is wasted), or None for any other
-    base. Memory: 4 bytes per item of the held weights, only when they have at most `max_items` items
-    (0: never). A wrong order could only rebuild tensors that fail their hash check, and `rebuild`
-    then redoes it without orders: it never installs or refuses anything by itself.
+    Kept up to date off the critical path (`follow`, after each install), in one thread niced to
+    ORDERS_NICE where the OS allows (Linux: per thread) so that it yields to the peer's own work:
+    after a delta rebuild it advances the orders the rebuild used by the items whose key changed
+    (tensors without such items are ready at once); after a dense install (a keyframe, a new
+    joiner), or for tensors the rebuild had none for, it sorts them. It publishes each tensor's
+    order as it completes. `take(version, sha)` stops it and returns the tensors done so far for that exact
+    version and manifest (the rebuild sorts the others itself: nothing computed is wasted), or None
+    for any other base. Memory: 4 bytes per item of the held weights, only when they have at most
+    `max_items` items (0: never). A wrong order could only rebuild tensors that fail their hash
+    check, and `rebuild` then redoes it without orders: it never installs or refuses anything.
     """
 
     def __init__(self, max_items: int):
@@ -303,32 +307,38 @@ class BaseOrders:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def adopt(self, version: int, manifest_sha256: str, orders: "dict[str, TensorOrder]") -> None:
-        """Hold `orders` (advanced by a rebuild, possibly partial) as those of `version`."""
-        self.stop()
-        if orders:
-            self._key, self._orders = (version, manifest_sha256), orders
-
-    def start(self, version: int, manifest_sha256: str, manifest: Manifest, weights: Path) -> None:
-        """Compute the orders of `version` (installed, its weights at `weights`) in the background,
-        those of the tensors it does not hold already (`adopt`)."""
-        have = self._orders if self._key == (version, manifest_sha256) else {}
-        if have and len(have) >= sum(_ITEMSIZE.get(_DTYPES.get(t.dtype, ""), 2) > 1 for t in manifest.tensors):
-            return  # every tensor's order came with the rebuild
+    def follow(self, version: int, manifest_sha256: str, manifest: Manifest, weights: Path,
+               orders: "dict[str, TensorOrder] | None" = None, moved: "dict[str, list[Moved]] | None" = None) -> None:
+        """Hold the orders of `version` (installed, its weights at `weights`), made in the background:
+        `orders` (those a rebuild of it used, possibly partial) advanced by `moved` (what that rebuild
+        reported; tensors without moved items are ready at once), then every other tensor sorted."""
         self.stop()
         numel = sum(_numel(t.shape) for t in manifest.tensors)
         if not 0 < numel <= self.max_items:
             return
-        stop, orders = threading.Event(), dict(have)
-        self._key, self._orders, self._stop = (version, manifest_sha256), orders, stop
+        orders, moved = orders or {}, moved or {}
+        done = {name: o for name, o in orders.items() if name not in moved}
+        pending = {name: o for name, o in orders.items() if name in moved}
+        self._key, self._orders = (version, manifest_sha256), done
+        if len(done) >= _multibyte(manifest):
+            return
+        stop = threading.Event()
+        self._stop = stop
 
         def work() -> None:
-            from echo2swarm.policy.orders import visit_orders
+            from echo2swarm.policy.orders import advance, visit_orders
 
             with contextlib.suppress(OSError, AttributeError):  # a low priority, for this thread only
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ORDERS_NICE)
+            for name, entry in pending.items():
+                if stop.is_set():
+                    return
+                if advance(entry, moved[name]):
+                    done[name] = entry
+                else:  # not of these bits (a bug): sorted below instead
+                    logger.warning("v%d: the visiting order of %s could not be advanced; sorting it", version, name)
             try:
-                visit_orders(weights_bits(weights), stop=stop.is_set, out=orders)
+                visit_orders(weights_bits(weights), stop=stop.is_set, out=done)
             except (OSError, ValueError, DeltaRefused) as e:  # the version went away (GC), or an odd file
                 logger.debug("visiting orders of v%d not computed: %s", version, e)
 
@@ -344,6 +354,11 @@ class BaseOrders:
     def stop(self) -> None:
         self._stop.set()
         self._key, self._orders = None, {}
+
+
+def _multibyte(manifest: Manifest) -> int:
+    """Tensors of the manifest with items of more than one byte (those that have a visiting order)."""
+    return sum(_ITEMSIZE.get(_DTYPES.get(t.dtype, ""), 2) > 1 for t in manifest.tensors)
 
 
 def _numel(shape: list[int]) -> int:

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zstandard
 
-from echo2swarm.policy.orders import RUN_ITEMS, TensorOrder, key_counts, run_keys
-from echo2swarm.policy.orders import advance as advance_order
+from echo2swarm.policy.orders import RUN_ITEMS, Moved, TensorOrder, key_counts, run_keys
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: rebuilding in place needs numpy only
     import torch
@@ -403,17 +402,19 @@ def apply_delta(base: Mapping[str, torch.Tensor], blob: bytes) -> dict[str, torc
 
 
 def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
-                     orders: MutableMapping[str, TensorOrder] | None = None, advance: bool = False) -> list[str]:
+                     orders: Mapping[str, TensorOrder] | None = None,
+                     moved: dict[str, list[Moved]] | None = None) -> list[str]:
     """Apply the delta IN PLACE to the base's bit patterns: `bits` maps every base tensor's name to
     its flat, writable unsigned array of its item size (e.g. views into a copy of the base's
     safetensors file). Returns the names of the tensors with at least one change.
 
     `orders`: the base's visiting orders (`orders.visit_orders(bits)`, any subset of the tensors), so
     that nothing is sorted or counted here; they must be of these very bits (a wrong order rebuilds
-    wrong tensors, which the caller's hash check then refuses). `advance`: change them in place into
-    the rebuilt bits' orders (`orders.advance`; a tensor whose order proves wrong is dropped from
-    `orders`). DeltaError if malformed; then some arrays (and orders) may be changed already: apply
-    only to a copy.
+    wrong tensors, which the caller's hash check then refuses). `moved`: filled, for each tensor of
+    `orders` that has any, with the items whose key the delta changed, per run: what
+    `orders.advance(orders[name], moved[name])` needs to make them the rebuilt bits' orders (off the
+    critical path: a follower does it while it waits for the next version). DeltaError if malformed;
+    then some arrays may be changed already: apply only to a copy.
     """
     layout = {name: (a.dtype.itemsize, a.size) for name, a in bits.items()}
     raw = _decompress(layout, blob)
@@ -537,7 +538,6 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
                 parts[row].append((c.ranks[lo:hi] - segment + int(starts[row, c.key]), c.z[lo:hi]))
             lo = hi
     changed: list[str] = []
-    moved: dict[str, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = {}  # items whose key changed
     for (name, start, size), row in zip(runs, parts):
         if not row:
             continue
@@ -553,14 +553,11 @@ def apply_delta_bits(bits: Mapping[str, np.ndarray], blob: bytes,
             index = np.argsort(run_keys(run), kind="stable")[ranks]
         old = run[index]
         run[index] = old + _unzigzag(z + z.dtype.type(1))
-        if advance and ahead is not None:
+        if moved is not None and ahead is not None:
             was, now = run_keys(old), run_keys(run[index])
             move = np.flatnonzero(was != now)
             if move.size:
                 moved.setdefault(name, []).append((start // RUN_ITEMS, index[move], was[move], now[move]))
         if not changed or changed[-1] != name:
             changed.append(name)
-    for name, items in moved.items():
-        if not advance_order(held[name], items):
-            del orders[name]  # type: ignore[union-attr]  # not of these bits: recomputed later
     return changed

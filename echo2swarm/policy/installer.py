@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from echo2swarm.policy.catchup import MAX_CHAIN, BaseOrders, DeltaRefused, Hop, Linked, check_dense, choose_path, rebuild
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
@@ -28,6 +29,9 @@ from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PublicKey
+
+if TYPE_CHECKING:
+    from echo2swarm.policy.orders import Moved, TensorOrder
 
 logger = get_logger(__name__)
 MAX_PLANS = 3  # plans of one version's path, each without the deltas refused before
@@ -148,9 +152,6 @@ class VersionInstaller:
                                      "hops": len(hops), "spans": {k: round(v, 3) for k, v in spans.items()}}
             for old in sorted(self.path_of)[:-16]:
                 del self.path_of[old]
-            m = target.manifest
-            if m.weights_file is not None:  # the next delta's base, most likely: sort it while we wait
-                self.orders.start(version, target.sha256, m, path / m.weights_file)
             return path
         self._refused_versions.add((target.manifest.version, target.sha256))
         logger.warning("policy v%d refused: no path rebuilds weights that match its signed tensor hashes",
@@ -178,6 +179,8 @@ class VersionInstaller:
                 await asyncio.to_thread(assembly.fill, self.chunks)
                 fetched = time.perf_counter()
                 spans["chunks"] += fetched - started
+                orders: dict[str, TensorOrder] | None = None  # the base's visiting orders, if held
+                moved: dict[str, list[Moved]] = {}  # what advancing them into this version's takes
                 try:
                     if delta is not None:
                         base = self.versions.manifest(delta.base.version)
@@ -190,9 +193,7 @@ class VersionInstaller:
                         orders = self.orders.take(delta.base.version, delta.base.manifest_sha256)
                         spans["sorted_ahead"] += bool(orders)  # hops with at least one tensor's order ahead
                         await asyncio.to_thread(rebuild, m, delta, self.versions.dir(delta.base.version), base, blob,
-                                                out, orders)
-                        if orders:  # advanced by the rebuild: the next delta's base orders, unsorted
-                            self.orders.adopt(m.version, hop.linked.sha256, orders)
+                                                out, orders, moved)
                     else:
                         await asyncio.to_thread(check_dense, m, assembly.tmp)
                 except DeltaRefused:
@@ -202,6 +203,8 @@ class VersionInstaller:
                 spans["check"] += checked - fetched
                 path = await asyncio.to_thread(self.versions.commit, assembly, envelope, self.chunks)
                 spans["commit"] += time.perf_counter() - checked
+                if m.weights_file is not None:  # the next delta's base, most likely: its orders, in the background
+                    self.orders.follow(m.version, hop.linked.sha256, m, path / m.weights_file, orders, moved)
                 return path
             except BaseException:
                 assembly.abort()  # not awaited: it must run even when this task is being cancelled

@@ -7,13 +7,16 @@ offsets sorted by key, ties by offset (one stable sort of 8-bit keys) and how ma
 the run holds. That is what costs a rebuild most, and it depends on the base alone, so a follower
 keeps it for the version it holds:
 
-    held = visit_orders(bits)                      # O(items): after a dense install, ahead of time
-    apply_delta_bits(bits, blob, held, advance=True)   # held now describes the rebuilt bits
+    held = visit_orders(bits)                    # O(items): after a dense install, ahead of time
+    moved = {}
+    apply_delta_bits(bits, blob, held, moved)    # no sort, no count: only the delta's own work
+    for name, items in moved.items():            # later, while waiting for the next version
+        advance(held[name], items)               # held now describes the rebuilt bits
 
 `advance` moves only the items whose key a delta changed (a value crossing a power of two: ~1 in
 64 of the changes at lr 1e-6) from their old class's segment to their new one, so a follower that
-rebuilds version after version never sorts again: the next order costs O(changes · log run) plus a
-copy of the runs that hold such an item, not a sort of every item.
+rebuilds version after version never sorts again: one delete and one insert over the order (two
+copies of it) instead of a sort of every item.
 
 Runs are the implementation's, not the format's: any run length gives the same ranks. Nothing here
 is trusted beyond this process: an order that is wrong can only rebuild tensors whose signed hash
@@ -27,10 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RUN_ITEMS", "TensorOrder", "advance", "key_counts", "run_keys", "visit_orders"]
+__all__ = ["RUN_ITEMS", "Moved", "TensorOrder", "advance", "key_counts", "run_keys", "visit_orders"]
 
 RUN_ITEMS = 1 << 18  # items one stable sort of keys covers (its arrays stay in cache); no part of the format
 _KEYS = np.arange(256, dtype=np.uint8)  # searched in uint8: no cast of the run's keys
+Moved = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (run, offsets, old keys, new keys) of items that changed key
 
 
 @dataclass
@@ -103,7 +107,7 @@ def _first_at_least(order: np.ndarray, lo: np.ndarray, hi: np.ndarray, values: n
         hi = np.where(live & ~below, mid, hi)
 
 
-def advance(entry: TensorOrder, moved: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> bool:
+def advance(entry: TensorOrder, moved: list[Moved]) -> bool:
     """Make `entry` (changed in place) the order of the tensor after some of its items changed key:
     `moved` lists, per run (its index, ascending), the run offsets of those items (distinct) and
     their old and new keys (every one differs). False: `entry.order` does not hold an item where its

@@ -216,9 +216,10 @@ def same_orders(a: dict[str, TensorOrder], b: dict[str, TensorOrder]) -> bool:
 
 
 def test_advanced_orders_are_the_rebuilt_versions_over_a_chain_of_deltas():
-    """A follower advances the held orders with each rebuild instead of sorting again: after every
-    delta of a chain (values crossing powers of two, so items change class, in several runs) the
-    advanced orders equal a fresh sort of the rebuilt bits, and the rebuilt bits are the learner's."""
+    """A follower advances the held orders after each rebuild instead of sorting again: the rebuild
+    reports exactly the items whose key changed, and after every delta of a chain (values crossing
+    powers of two, so items change class, in several runs) the advanced orders equal a fresh sort of
+    the rebuilt bits, and the rebuilt bits are the learner's."""
     g = torch.Generator().manual_seed(11)
     versions = [{"big": (torch.randn(RUN_ITEMS * 2 + 77, generator=g) * 0.02).bfloat16(),
                  "small": torch.randn(33, 7, generator=g).float(),
@@ -233,11 +234,14 @@ def test_advanced_orders_are_the_rebuilt_versions_over_a_chain_of_deltas():
     bits = {k: tensor_bits(v).copy() for k, v in versions[0].items()}
     held = visit_orders(bits)
     for base, new in zip(versions, versions[1:]):
-        moved = sum(int((run_keys_of(tensor_bits(base[k])) != run_keys_of(tensor_bits(new[k]))).sum())
-                    for k in ("big", "small"))
-        assert moved > 300
-        apply_delta_bits(bits, encode_delta(base, new), held, advance=True)
+        moved_count = sum(int((run_keys_of(tensor_bits(base[k])) != run_keys_of(tensor_bits(new[k]))).sum())
+                          for k in ("big", "small"))
+        assert moved_count > 300
+        moved: dict = {}
+        apply_delta_bits(bits, encode_delta(base, new), held, moved)
         assert all(np.array_equal(bits[k], tensor_bits(new[k])) for k in new)
+        assert set(moved) == {"big", "small"} and sum(o.size for items in moved.values() for _, o, _, _ in items) == moved_count
+        assert all(advance(held[name], items) for name, items in moved.items())
         assert same_orders(held, visit_orders(bits))
 
 
@@ -258,19 +262,19 @@ def test_advance_by_hand():
     assert not advance(entry, [(0, np.array([0], np.uint32), np.array([1], np.uint8), np.array([2], np.uint8))])
 
 
-def test_wrong_orders_are_dropped_when_advancing():
-    """Orders that are not of the bits (a bug) cannot be advanced: the tensor's order is dropped (the
-    rebuilt bits are then wrong, which the caller's hash check refuses: policy/catchup.rebuild)."""
+def test_wrong_orders_cannot_be_advanced():
+    """Orders that are not of the bits (a bug) cannot be advanced (the rebuilt bits are wrong too,
+    which the caller's hash check refuses: policy/catchup.rebuild then rebuilds without orders)."""
     g = torch.Generator().manual_seed(5)
     base = {"w": (torch.randn(5000, generator=g) * 0.02).bfloat16()}
     new = {"w": base["w"] * 2.5}  # every item changes, most change class
     bits = {"w": tensor_bits(base["w"]).copy()}
     held = visit_orders(bits)
     held["w"].order[:] = held["w"].order[::-1].copy()
-    apply_delta_bits(bits, encode_delta(base, new), held, advance=True)
-    assert "w" not in held
-
-
+    moved: dict = {}
+    apply_delta_bits(bits, encode_delta(base, new), held, moved)
+    assert not np.array_equal(bits["w"], tensor_bits(new["w"]))
+    assert not advance(held["w"], moved["w"])
 def test_varints_vectorised_match_leb128():
     values = np.array([1, 2, 127, 128, 255, 16383, 16384, 2**35 + 17, 2**63 - 1], dtype=np.uint64)
     encoded = encode_varints(values)

@@ -261,13 +261,13 @@ def test_orders_ahead_rebuild_the_same_bytes_advance_and_wrong_ones_are_dropped(
     assert m7.delta is not None
     blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
     orders = BaseOrders(max_items=10**6)
-    orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    orders.follow(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
     assert orders._thread is not None
     orders._thread.join(30)  # done: every tensor's order is there
     ahead = orders.take(6, linked[6].sha256)
     assert ahead is not None and set(ahead) == {t.name for t in m6.tensors}
     assert orders.take(6, linked[6].sha256) is None  # taken once: the next rebuild sorts for itself
-    orders.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    orders.follow(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
     assert orders.take(5, linked[5].sha256) is None  # another base: nothing (and the computation stops)
     # some tensors sorted ahead, the rest by the rebuild: the same bytes
     out = tmp_path / "partly.safetensors"
@@ -275,33 +275,35 @@ def test_orders_ahead_rebuild_the_same_bytes_advance_and_wrong_ones_are_dropped(
     assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
     out = tmp_path / "rebuilt.safetensors"
     ahead = orders_of(versions.dir(6) / WEIGHTS_FILE)
-    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead)
+    moved: dict = {}
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead, moved)
     assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes()
-    # the rebuild advanced them: they are now v7's own orders, for the next delta
+    # BaseOrders advances them (in its thread) into v7's own orders, for the next delta: no sort
     fresh = orders_of(versions.dir(7) / WEIGHTS_FILE)
-    assert set(ahead) == set(fresh) and all(np.array_equal(ahead[k].order, fresh[k].order) for k in fresh)
+    orders.follow(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE, ahead, moved)  # after installing v7
+    if orders._thread is not None:
+        orders._thread.join(30)
+    advanced = orders.take(7, linked[7].sha256)
+    assert advanced is not None and set(advanced) == set(fresh)
+    assert all(np.array_equal(advanced[k].order, fresh[k].order) and np.array_equal(advanced[k].counts, fresh[k].counts)
+               for k in fresh)
+    # ... and when the rebuild had only some tensors' orders, the others are sorted
+    some = dict(list(orders_of(versions.dir(6) / WEIGHTS_FILE).items())[:1])
+    moved = {}
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, some, moved)
+    orders.follow(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE, some, moved)
+    orders._thread.join(30)
+    done = orders.take(7, linked[7].sha256)
+    assert done is not None and all(np.array_equal(done[k].order, fresh[k].order) for k in fresh)
     out.unlink()
     # Orders of other bits (a bug) rebuild tensors that fail their hash: the rebuild is done again
     # without them (the right delta is not refused because of our own orders), and they are dropped.
     wrong = {name: TensorOrder(o.order[::-1].copy(), o.counts) for name, o in orders_of(versions.dir(6) / WEIGHTS_FILE).items()}
-    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, wrong)
-    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes() and wrong == {}
-    # adopted after the rebuild: held as v7's, nothing sorted when v7 is installed ...
-    orders.adopt(7, linked[7].sha256, ahead)
-    before = orders._thread
-    orders.start(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE)
-    assert orders._thread is before
-    assert orders.take(7, linked[7].sha256) == ahead
-    # ... and when the rebuild had only some tensors' orders, the others are sorted
-    some = dict(list(ahead.items())[:1])
-    orders.adopt(7, linked[7].sha256, some)
-    orders.start(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE)
-    assert orders._thread is not before
-    orders._thread.join(30)
-    done = orders.take(7, linked[7].sha256)
-    assert done is not None and set(done) == set(fresh) and done[next(iter(some))] is some[next(iter(some))]
+    moved = {}
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, wrong, moved)
+    assert out.read_bytes() == (versions.dir(7) / WEIGHTS_FILE).read_bytes() and wrong == {} and moved == {}
     small = BaseOrders(max_items=10)  # more items than it may hold: never computed
-    small.start(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
+    small.follow(6, linked[6].sha256, m6, versions.dir(6) / WEIGHTS_FILE)
     assert small._thread is None and small.take(6, linked[6].sha256) is None
 
 
