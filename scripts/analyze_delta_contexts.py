@@ -34,6 +34,9 @@ import numpy as np
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_delta import _counts_bits as counts_bits  # noqa: E402  (the same order-0 entropy as the bench's floor)
+
 from echo2swarm.policy.delta import tensor_bits  # noqa: E402
 
 ZCAP = 64  # values z >= ZCAP - 1 are coded as one symbol plus 16 raw bits
@@ -62,14 +65,6 @@ def load(path: Path):
 def load_bits(path: Path) -> np.ndarray:
     state = load_file(str(path))
     return np.concatenate([tensor_bits(state[name]) for name in sorted(state)])
-
-
-def counts_bits(counts: np.ndarray) -> float:
-    counts = counts.astype(np.float64)
-    totals = counts.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        terms = np.where(counts > 0, counts * np.log2(np.where(counts > 0, counts / totals, 1.0)), 0.0)
-    return float(-terms.sum())
 
 
 def h_pos(ctx: np.ndarray, changed: np.ndarray) -> tuple[float, int]:
