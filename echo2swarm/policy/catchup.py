@@ -293,9 +293,9 @@ class BaseOrders:
     after a delta rebuild it advances the orders the rebuild used by the items whose key changed
     (tensors without such items are ready at once); after a dense install (a keyframe, a new
     joiner), or for tensors the rebuild had none for, it sorts them. It publishes each tensor's
-    order as it completes. `take(version, sha)` stops it and returns the tensors done so far for that exact
-    version and manifest (the rebuild sorts the others itself: nothing computed is wasted), or None
-    for any other base. Memory: 4 bytes per item of the held weights, only when they have at most
+    order as it completes. `take(version, sha)` stops it and returns the tensors done so far for
+    that exact version and manifest (the rebuild sorts the others itself), or None for any other
+    base. Memory: 4 bytes per item of the held weights, only when they have at most
     `max_items` items (0: never). A wrong order could only rebuild tensors that fail their hash
     check, and `rebuild` then redoes it without orders: it never installs or refuses anything.
     """
