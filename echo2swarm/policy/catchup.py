@@ -211,17 +211,18 @@ def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest
 
     `orders`: the base's visiting orders (`BaseOrders.take`), any subset of its tensors; `moved` is
     filled with what advancing them into the rebuilt version's takes (`apply_delta_bits`,
-    `BaseOrders.advance`). When a rebuild with orders fails its hash check, the orders were not the
-    base's (a bug): they are emptied and the rebuild is done again without them, so a wrong order
-    never refuses a right delta.
+    `BaseOrders.follow`). The orders decide both where changes land and the class sizes the delta is
+    checked against, so a rebuild with orders that is refused for any reason is done again without
+    them (they are emptied): a wrong order of ours (a bug) never refuses a right delta, and a wrong
+    delta is refused as it would be without orders.
     """
     try:
         return _rebuild(manifest, delta, base_dir, base, blob, out, orders, moved)
     except DeltaRefused as e:
-        if not orders or e.reason != "tensor_hash":
+        if not orders:
             raise
-        logger.warning("v%d: the rebuild with visiting orders computed ahead failed its hash check; "
-                       "rebuilding without them", manifest.version)
+        logger.warning("v%d: the rebuild with visiting orders computed ahead was refused (%s); "
+                       "rebuilding without them", manifest.version, e.reason)
         orders.clear()
         if moved is not None:
             moved.clear()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
 from typing import TYPE_CHECKING
 

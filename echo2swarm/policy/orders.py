@@ -111,7 +111,7 @@ def advance(entry: TensorOrder, moved: list[Moved]) -> bool:
     """Make `entry` (changed in place) the order of the tensor after some of its items changed key:
     `moved` lists, per run (its index, ascending), the run offsets of those items (distinct) and
     their old and new keys (every one differs). False: `entry.order` does not hold an item where its
-    old key says (it was not of these bits); then `entry` is left half-advanced and must be dropped.
+    old key says (it was not of these bits); `entry` is then unchanged, and must not be used.
 
     All runs at once: one batched binary search for where the items are, one delete and one insert
     over the whole order (each run keeps its size: an item stays in its run)."""
