@@ -15,8 +15,10 @@ that same start:
         TransformersEngine (running version v-1's bf16 values) samples --prompts arith prompts x
         --group-size completions with behaviour logprobs; the task scores them;
         GRPOTrainer.step (fp32 master weights, AdamW at that lr, ppo_epochs x minibatches updates,
-        verification off) trains on them; version v = weights_state(bf16)
+        verification off) trains on them; version v = weights_state(bf16, holding version v-1's
+        values within --hold-ulps: the learner's publish rule, publish.hold_ulps)
         delta v-1 -> v = encode_delta; apply_delta must rebuild version v bit for bit (asserted)
+        baseline: the same masters rounded to nearest (hold 0.5), deltas between those
 
 --updates EPOCHSxMINIBATCHES sets the AdamW updates per version: 1x1 is one update per version (what
 the published measurements of RL post-training count: one optimizer step between versions); 2x1 is
@@ -27,7 +29,11 @@ the fraction of bf16 values whose bits changed, the dense bytes (safetensors of 
 a dense version ships), the delta bytes, dense/delta, the delta's bytes per changed value, `floor`
 (dense over the entropy of the changes given the base's key, H(changed | key) + H(z | key): what any
 coder that models each item by its base's exponent alone needs at least), encode and decode seconds and
-the step's seconds; then means over all versions and over the later half
+the step's seconds, then the round-to-nearest baseline's delta from the same masters (`rtn KB`),
+what the rule saves against it (`held/rtn`: delta bytes, < 1 is smaller), the share of published
+values that differ from the masters rounded to nearest (`off rtn`) and the step's off-policy gap, mean
+|log pi_master - log pi_published| a completion token (`gap`: what publishing in bf16, and the rule,
+cost the rollouts in policy mismatch; with one update a version it is not measured); then means over all versions and over the later half
 (AdamW's second moments settle over the first steps, and the changed fraction with them). Then
 catch-up at the last version V: for a gap g in --gaps, the composite delta V-g -> V against the
 chain of g single deltas, each as dense/bytes (verified bit-exact too). With --compare (default on,
@@ -57,6 +63,7 @@ import zstandard  # noqa: E402
 from safetensors.torch import save as save_safetensors  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from echo2swarm.config.models import PublishConfig  # noqa: E402
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
 from echo2swarm.learner.buffer import Group  # noqa: E402
 from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
@@ -277,6 +284,7 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     task = ArithTask(seed=args.seed, max_operand=args.max_operand)
     dtype = trainer.publish_dtype("bfloat16")
     states = [trainer.weights_state(dtype)]
+    rtn = states[0]  # the round-to-nearest baseline's previous version
     dense = len(save_safetensors(states[0], metadata={"format": "pt"}))
     numel = sum(t.numel() for t in states[0].values())
     singles: list[int] = []
@@ -284,16 +292,20 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     label = f"lr {lr:g}, {epochs}x{minibatches} updates"
     log(f"{label}: {numel / 1e6:.1f}M values, dense bf16 version {dense / 1e6:.2f} MB")
     header = (f"{'v':>3} {'reward':>6} {'mixed':>5} {'changed':>8} {'dense MB':>9} {'delta KB':>9} "
-              f"{'dense/delta':>11} {'B/changed':>9} {'floor':>7} {'enc s':>6} {'dec s':>6} {'step s':>6}")
+              f"{'dense/delta':>11} {'B/changed':>9} {'floor':>7} {'enc s':>6} {'dec s':>6} {'step s':>6} "
+              f"{'rtn KB':>9} {'held/rtn':>8} {'off rtn':>7} {'gap':>6}")
     print(f"\n## lr {lr:g}, {epochs} epochs x {minibatches} minibatches = {epochs * minibatches} AdamW updates "
-          f"per version\n{header}", flush=True)
+          f"per version, published with hold_ulps {args.hold_ulps:g}\n{header}", flush=True)
     for version in range(1, args.versions + 1):
         load_into_engine(engine, states[-1])
         groups = rollout_groups(engine, trainer, task, version, args)
         stats = trainer.step(groups, current_version=version - 1)
-        states.append(trainer.weights_state(dtype))
+        states.append(trainer.weights_state(dtype, states[-1], args.hold_ulps))
+        rtn, rtn_previous = trainer.weights_state(dtype), rtn
         dense = len(save_safetensors(states[-1], metadata={"format": "pt"}))
         blob, enc, dec = timed_delta(states[-2], states[-1])
+        rtn_bytes = len(encode_delta(rtn_previous, rtn))
+        off_rtn = changed_count(rtn, states[-1])
         changed = changed_count(states[-2], states[-1])
         floor = floors(states[-2], states[-1])
         floor_bytes = (floor["positions_given_key"] + floor["values_given_key"]) / 8
@@ -304,11 +316,14 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
                "ratio": dense / len(blob), "bytes_per_changed": len(blob) / max(changed, 1),
                "floor_bytes": floor_bytes, "floor_ratio": dense / max(floor_bytes, 1.0),
                "encode_s": enc, "decode_s": dec, "step_s": stats.get("t_train_s", 0.0),
-               "updates": stats.get("updates", 0)}
+               "updates": stats.get("updates", 0), "rtn_delta_bytes": rtn_bytes, "rtn_ratio": dense / rtn_bytes,
+               "held_vs_rtn": len(blob) / rtn_bytes, "off_rtn_frac": off_rtn / numel,
+               "gap": stats.get("offpolicy_gap_mean", 0.0)}
         rows.append(row)
         print(f"{version:>3} {row['reward_mean']:>6.2f} {mixed:>2}/{len(groups):<2} {row['changed_frac']:>8.2%} "
               f"{dense / 1e6:>9.2f} {len(blob) / 1e3:>9.1f} {row['ratio']:>10.1f}x {row['bytes_per_changed']:>9.3f} "
-              f"{row['floor_ratio']:>6.1f}x {enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f}", flush=True)
+              f"{row['floor_ratio']:>6.1f}x {enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f} {rtn_bytes / 1e3:>9.1f} "
+              f"{row['held_vs_rtn']:>8.3f} {row['off_rtn_frac']:>7.2%} {row['gap']:>6.4f}", flush=True)
         if len(states) > max(args.gaps) + 1:
             states.pop(0)
     late = rows[len(rows) // 2:]
@@ -319,7 +334,11 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
               f"floor {statistics.mean(r['floor_ratio'] for r in label_rows):.1f}x), "
               f"{statistics.mean(r['bytes_per_changed'] for r in label_rows):.3f} B per changed value, "
               f"encode {statistics.mean(r['encode_s'] for r in label_rows):.2f} s, "
-              f"decode {statistics.mean(r['decode_s'] for r in label_rows):.2f} s", flush=True)
+              f"decode {statistics.mean(r['decode_s'] for r in label_rows):.2f} s; round-to-nearest "
+              f"{statistics.mean(r['rtn_ratio'] for r in label_rows):.1f}x "
+              f"(min {min(r['rtn_ratio'] for r in label_rows):.1f}x), held/rtn "
+              f"{statistics.mean(r['held_vs_rtn'] for r in label_rows):.3f}, "
+              f"gap {statistics.mean(r['gap'] for r in label_rows):.4f}", flush=True)
 
     catch_up = []
     last = states[-1]
@@ -376,6 +395,8 @@ def main() -> None:
     parser.add_argument("--warmup-lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hold-ulps", type=float, default=PublishConfig().hold_ulps,
+                        help="the publish rule (publish.hold_ulps; default: the learner's): 0.5 is round-to-nearest")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the table of encoding alternatives")
     parser.add_argument("--json", action="store_true", help="also print one JSON object at the end")
@@ -405,8 +426,11 @@ def main() -> None:
     for run in runs:
         ratios = [r["ratio"] for r in run["versions"]]
         gaps = ", ".join(f"g{c['gap']} {c['composite_ratio']:.1f}x" for c in run["catch_up"])
+        rtn = [r["rtn_ratio"] for r in run["versions"]]
         print(f"  lr {run['lr']:g}, {run['ppo_epochs']}x{run['minibatches']} updates: {statistics.mean(ratios):.1f}x, "
-              f"later half {statistics.mean(ratios[len(ratios) // 2:]):.1f}x (min {min(ratios):.1f}x); catch-up {gaps}")
+              f"later half {statistics.mean(ratios[len(ratios) // 2:]):.1f}x (min {min(ratios):.1f}x); catch-up {gaps}; "
+              f"round-to-nearest from the same masters {statistics.mean(rtn):.1f}x (min {min(rtn):.1f}x), "
+              f"hold {args.hold_ulps:g} / rtn {statistics.mean(ratios) / statistics.mean(rtn):.2f}x")
     print(f"wall {report['wall_s']:.0f} s", flush=True)
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -23,7 +23,10 @@ Modes, each over every S and seed:
 
 - ``forced-NAME`` (``--variant NAME=JSON``, repeatable): forced staleness with these train fields
   overriding today's defaults (e.g. ``--variant e1m2='{"ppo_epochs": 1, "minibatches": 2}'``): for
-  comparing trust-region settings on equal footing.
+  comparing trust-region settings on equal footing. Two publish fields may join them:
+  ``publish_dtype`` (the dtype the engine runs, as publish.dtype; forced runs default to float32) and
+  ``hold_ulps`` (publish.hold_ulps), e.g. ``--variant held='{"publish_dtype": "bfloat16", "hold_ulps": 1.0}'``:
+  every version is published, in that dtype and by that rule, and the engine runs the published bytes.
 
 ``--jobs N`` runs the forced-mode runs N at a time in separate processes (one torch thread each; they
 share nothing, so results do not depend on N); swarm runs stay one at a time, since their observed
@@ -57,10 +60,12 @@ OLD_OBJECTIVE = {"ppo_epochs": 1, "minibatches": 1, "lr": OLD_LR}
 TRAIN = {"prompts_per_step": 16, "group_size": 8, "max_new_tokens": 4, "lr": DEMO_LR, "threads": 1}
 LAST = 50
 MODES = ("new", "forced", "old", "forced-old")
+PUBLISH_FIELDS = {"publish_dtype": "dtype", "hold_ulps": "hold_ulps"}  # variant field -> PublishConfig field
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """``NAME=JSON-object`` of train fields -> (NAME, fields); the fields are checked against TrainConfig."""
+    from echo2swarm.config.models import PublishConfig
     from echo2swarm.config.rl import TrainConfig
 
     name, sep, body = text.partition("=")
@@ -73,7 +78,8 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(fields, dict):
         raise argparse.ArgumentTypeError(f"--variant {name}: expected a JSON object of train fields")
     try:
-        TrainConfig(**{**TRAIN, **fields})
+        PublishConfig(**{PUBLISH_FIELDS[k]: v for k, v in fields.items() if k in PUBLISH_FIELDS})
+        TrainConfig(**{**TRAIN, **{k: v for k, v in fields.items() if k not in PUBLISH_FIELDS}})
     except Exception as exc:  # pydantic's message names the field
         raise argparse.ArgumentTypeError(f"--variant {name}: {exc}") from None
     return name, fields
@@ -148,6 +154,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     import random
 
     import torch
+    from safetensors.torch import save_file
 
     from echo2swarm.config.rl import TrainConfig, VerifyConfig
     from echo2swarm.learner.buffer import Group
@@ -157,13 +164,28 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     from echo2swarm.tasks.registry import get_task
 
     torch.set_num_threads(1)
-    config = TrainConfig(**{**TRAIN, "device": "cpu", **overrides}, staleness=max(staleness, 0), seed=seed)
+    publish = {k: overrides[k] for k in PUBLISH_FIELDS if k in overrides}
+    train = {k: v for k, v in overrides.items() if k not in PUBLISH_FIELDS}
+    config = TrainConfig(**{**TRAIN, "device": "cpu", **train}, staleness=max(staleness, 0), seed=seed)
     # Verification checks peers; here the engine is our own, so it is off (it changes nothing trained).
     trainer = GRPOTrainer(model, config, verify=VerifyConfig(enabled=False))
+    dtype = trainer.publish_dtype(publish.get("publish_dtype", "float32"))
+    hold = float(publish.get("hold_ulps", 0.5))
+
+    def publish_version(version: int, previous: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        state = trainer.weights_state(dtype, previous, hold)
+        version_dir = run / f"v{version}"
+        version_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(version_dir / "model.safetensors"), metadata={"format": "pt"})
+        snapshots[version] = version_dir
+        return {k: v.clone() for k, v in state.items()}  # float32: the live parameters themselves
+
+    snapshots: dict[int, Path] = {}
+    published = publish_version(1, None)
     engine = TransformersEngine(model, device="cpu", threads=1)
+    engine.load_weights(snapshots[1])
     task = get_task("arith", seed=seed)
     rng = random.Random(seed)
-    snapshots: dict[int, Path] = {1: model}
     engine_version, cursor, records = 1, 0, []
     started = time.monotonic()
     for t in range(1, steps + 1):
@@ -186,10 +208,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
             ))
         stats = trainer.step(groups, t)
         stats.pop("refused_groups", None)
-        version_dir = run / f"v{t + 1}"
-        version_dir.mkdir(parents=True, exist_ok=True)
-        (version_dir / "model.safetensors").write_bytes(trainer.weights_bytes())
-        snapshots[t + 1] = version_dir
+        published = publish_version(t + 1, published)
         for old in [v for v in snapshots if v < t + 1 - staleness and v != 1]:
             shutil.rmtree(snapshots.pop(old), ignore_errors=True)
         records.append({**stats, "step": t, "staleness": [t - source] * len(groups), "dropped": {},

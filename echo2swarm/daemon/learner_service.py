@@ -135,7 +135,9 @@ class LearnerService:
         started = time.perf_counter()
         publish = self.config.publish
         try:
-            state = await asyncio.to_thread(self.trainer.weights_state, self.trainer.publish_dtype(publish.dtype))
+            # the previous version's values are held where the masters stay near them (publish.hold_ulps)
+            state = await asyncio.to_thread(self.trainer.weights_state, self.trainer.publish_dtype(publish.dtype),
+                                            self.previous.tensors if self.previous else None, publish.hold_ulps)
         except NonFiniteWeightsError as e:  # never signed; training goes on from the last good version
             await self._roll_back(str(e))
             return time.perf_counter() - started

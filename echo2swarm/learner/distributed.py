@@ -43,6 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.buffer import Group
+from echo2swarm.learner.rounding import ROUND_TO_NEAREST, held_cast
 from echo2swarm.learner.trainer import GRPOTrainer, unique_state_dict
 from echo2swarm.learner.verify import WeightsOf, check_finite
 from echo2swarm.runtime.logging import get_logger
@@ -274,16 +275,20 @@ class ShardedTrainer(GRPOTrainer):
             self._send("step", groups, current_version)
             return super().step(groups, current_version)
 
-    def weights_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The full policy on rank 0's CPU, cast to ``dtype`` (None: fp32), finite-checked; gathered
-        tensor by tensor, so no device ever holds the whole model."""
+    def weights_state(self, dtype: torch.dtype | None = None, hold_from: dict[str, torch.Tensor] | None = None,
+                      hold_ulps: float = ROUND_TO_NEAREST) -> dict[str, torch.Tensor]:
+        """The full policy on rank 0's CPU, cast to ``dtype`` (None: fp32) as GRPOTrainer.weights_state
+        does (holding values of ``hold_from``), finite-checked; gathered tensor by tensor, so no
+        device ever holds the whole model."""
+        hold_from = hold_from or {}
         with self._lock:
             self._send("weights")
             state = self._gather_full()
         out: dict[str, torch.Tensor] = {}
         for name in list(state):  # cast one tensor at a time: the fp32 state shrinks as the cast one grows
             tensor = state.pop(name)
-            out[name] = tensor.to(dtype or tensor.dtype).contiguous()
+            out[name] = (held_cast(tensor, hold_from.get(name), dtype, hold_ulps) if dtype is not None
+                         else tensor).contiguous()
         check_finite(out)
         return out
 

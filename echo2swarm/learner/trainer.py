@@ -31,6 +31,7 @@ from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.learner.batches import Batch, build_batch, group_rows
 from echo2swarm.learner.buffer import Group
 from echo2swarm.learner.grpo import completion_logits
+from echo2swarm.learner.rounding import ROUND_TO_NEAREST, held_cast
 from echo2swarm.learner.scoring import score_logits
 from echo2swarm.learner.updates import UpdatePath, merge_updates
 from echo2swarm.learner.verify import (
@@ -262,15 +263,19 @@ class GRPOTrainer(UpdatePath):
                              "set publish.dtype to bfloat16, float16 or float32")
         return dtype
 
-    def weights_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def weights_state(self, dtype: torch.dtype | None = None, hold_from: dict[str, torch.Tensor] | None = None,
+                      hold_ulps: float = ROUND_TO_NEAREST) -> dict[str, torch.Tensor]:
         """The policy's tensors on the CPU, cast to ``dtype`` (None: the fp32 master weights).
 
         The cast is what a version publishes: what peers run and what their logprobs are measured
-        against. Raises NonFiniteWeightsError (a ValueError) when any tensor holds a NaN or an inf,
-        after the cast (fp32 values beyond float16's range become inf): such weights are never
-        turned into bytes, so never signed, published or checkpointed.
+        against. With ``hold_from`` (the previous version's tensors), values within ``hold_ulps`` of
+        theirs are kept (learner/rounding.py). Raises NonFiniteWeightsError (a ValueError) when any
+        tensor holds a NaN or an inf, after the cast (fp32 values beyond float16's range become
+        inf): such weights are never turned into bytes, so never signed, published or checkpointed.
         """
-        state = {name: t.to("cpu", dtype or t.dtype) for name, t in unique_state_dict(self.model).items()}
+        hold_from = hold_from or {}
+        state = {name: held_cast(t.to("cpu"), hold_from.get(name), dtype, hold_ulps) if dtype is not None
+                 else t.to("cpu") for name, t in unique_state_dict(self.model).items()}
         check_finite(state)
         return state
 

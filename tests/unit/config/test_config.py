@@ -235,6 +235,19 @@ def test_chunk_size_refuses_bad_sizes(given: object) -> None:
     assert "--chunk-size" in msg
 
 
+@pytest.mark.parametrize("given", [0.4, 2.5, "nan", "inf", "one"])
+def test_hold_ulps_refuses_values_outside_half_to_two(given: object) -> None:
+    msg = config_error("learner", **{"publish.model": "m", "publish.policy_key": "k", "publish.hold_ulps": given})
+    assert "hold_ulps" in msg
+
+
+def test_hold_ulps_defaults_to_one_ulp_and_takes_round_to_nearest() -> None:
+    base = {"publish.model": "m", "publish.policy_key": "k"}
+    assert load_config("learner", None, environ={}, overrides=base).publish.hold_ulps == 1.0
+    config = load_config("learner", None, environ={}, overrides={**base, "publish.hold_ulps": 0.5})
+    assert config.publish.hold_ulps == 0.5
+
+
 def test_chunk_size_infinity_is_a_config_error(tmp_path: Path) -> None:
     path = write_toml(tmp_path, 'role = "learner"\n[publish]\nmodel = "m"\npolicy_key = "k"\nchunk_size = inf\n')
     with pytest.raises(ConfigError):
