@@ -18,7 +18,9 @@ that same start:
         verification off) trains on them; version v = weights_state(bf16, holding version v-1's
         values within --hold-ulps: the learner's publish rule, publish.hold_ulps)
         delta v-1 -> v = encode_delta; apply_delta must rebuild version v bit for bit (asserted)
-        baseline: the same masters rounded to nearest (hold 0.5), deltas between those
+        other rules (--rules, e.g. round-to-nearest, hold 0.5): the same masters published by
+        each rule into its own chain, deltas between those, and how far each published policy is
+        from the masters on this step's completions
 
 --updates EPOCHSxMINIBATCHES sets the AdamW updates per version: 1x1 is one update per version (what
 the published measurements of RL post-training count: one optimizer step between versions); 2x1 is
@@ -29,11 +31,11 @@ the fraction of bf16 values whose bits changed, the dense bytes (safetensors of 
 a dense version ships), the delta bytes, dense/delta, the delta's bytes per changed value, `floor`
 (dense over the entropy of the changes given the base's key, H(changed | key) + H(z | key): what any
 coder that models each item by its base's exponent alone needs at least), encode and decode seconds and
-the step's seconds, then the round-to-nearest baseline's delta from the same masters (`rtn KB`),
-what the rule saves against it (`held/rtn`: delta bytes, < 1 is smaller), the share of published
-values that differ from the masters rounded to nearest (`off rtn`) and the step's off-policy gap, mean
-|log pi_master - log pi_published| a completion token (`gap`: what publishing in bf16, and the rule,
-cost the rollouts in policy mismatch; with one update a version it is not measured); then means over all versions and over the later half
+the step's seconds, `move` (mean |log pi_master(v) - log pi_master(v-1)| a completion token of
+this step's completions: how far one version moves the policy) and for each rule h of --rules:
+dense/delta of its own chain (`xH`) and `misH`, mean |log pi_published(v) - log pi_master(v)| on
+the same tokens: what publishing in bf16 by that rule costs the rollouts in policy mismatch (in
+units of `move`, misH / move is a staleness in versions); then means over all versions and over the later half
 (AdamW's second moments settle over the first steps, and the changed fraction with them). Then
 catch-up at the last version V: for a gap g in --gaps, the composite delta V-g -> V against the
 chain of g single deltas, each as dense/bytes (verified bit-exact too). With --compare (default on,
@@ -46,6 +48,7 @@ codec at several zstd levels with encode/decode seconds. --json prints one JSON 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -65,7 +68,9 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from echo2swarm.config.models import PublishConfig  # noqa: E402
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
+from echo2swarm.learner.batches import Batch  # noqa: E402
 from echo2swarm.learner.buffer import Group  # noqa: E402
+from echo2swarm.learner.grpo import completion_logits  # noqa: E402
 from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
 from echo2swarm.models.tiny import build_tiny_model  # noqa: E402
 from echo2swarm.models.warmup import supervised_warmup  # noqa: E402
@@ -135,6 +140,22 @@ def rollout_groups(engine: TransformersEngine, trainer: GRPOTrainer, task: Arith
             finish_reasons=[c.finish_reason for c in completions],
         ))
     return groups
+
+
+def score(model: torch.nn.Module, state: State, batch: Batch) -> torch.Tensor:
+    """Token logprobs of the batch's completions under `state` (loaded into `model` in fp32)."""
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise RuntimeError(f"scorer state mismatch: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        return completion_logits(model, batch.input_ids, batch.attention_mask, batch.completion_mask).token_logprobs()
+
+
+def mismatch(a: torch.Tensor, b: torch.Tensor, batch: Batch) -> float:
+    """Mean |a - b| over the completion tokens (the positions that are scored)."""
+    keep = batch.completion_mask.bool()
+    keep[:, 0] = False
+    return float((a - b).abs()[keep].mean())
 
 
 def changed_count(base: State, new: State) -> int:
@@ -284,7 +305,9 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     task = ArithTask(seed=args.seed, max_operand=args.max_operand)
     dtype = trainer.publish_dtype("bfloat16")
     states = [trainer.weights_state(dtype)]
-    rtn = states[0]  # the round-to-nearest baseline's previous version
+    chains = {h: states[0] for h in args.rules}  # each rule's previous published version
+    scorer = copy.deepcopy(trainer.model).eval()  # scores completions under any state
+    masters = {k: v.clone() for k, v in trainer.weights_state().items()}
     dense = len(save_safetensors(states[0], metadata={"format": "pt"}))
     numel = sum(t.numel() for t in states[0].values())
     singles: list[int] = []
@@ -293,7 +316,7 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     log(f"{label}: {numel / 1e6:.1f}M values, dense bf16 version {dense / 1e6:.2f} MB")
     header = (f"{'v':>3} {'reward':>6} {'mixed':>5} {'changed':>8} {'dense MB':>9} {'delta KB':>9} "
               f"{'dense/delta':>11} {'B/changed':>9} {'floor':>7} {'enc s':>6} {'dec s':>6} {'step s':>6} "
-              f"{'rtn KB':>9} {'held/rtn':>8} {'off rtn':>7} {'gap':>6}")
+              f"{'move':>6}" + "".join(f" {'x' + f'{h:g}':>6} {'mis' + f'{h:g}':>7}" for h in args.rules))
     print(f"\n## lr {lr:g}, {epochs} epochs x {minibatches} minibatches = {epochs * minibatches} AdamW updates "
           f"per version, published with hold_ulps {args.hold_ulps:g}\n{header}", flush=True)
     for version in range(1, args.versions + 1):
@@ -301,11 +324,18 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
         groups = rollout_groups(engine, trainer, task, version, args)
         stats = trainer.step(groups, current_version=version - 1)
         states.append(trainer.weights_state(dtype, states[-1], args.hold_ulps))
-        rtn, rtn_previous = trainer.weights_state(dtype), rtn
         dense = len(save_safetensors(states[-1], metadata={"format": "pt"}))
         blob, enc, dec = timed_delta(states[-2], states[-1])
-        rtn_bytes = len(encode_delta(rtn_previous, rtn))
-        off_rtn = changed_count(rtn, states[-1])
+        batch = trainer.build_batch(groups)
+        previous_masters, masters = masters, {k: v.clone() for k, v in trainer.weights_state().items()}
+        master_lp = score(scorer, masters, batch)
+        move = mismatch(score(scorer, previous_masters, batch), master_lp, batch)
+        rules = {}
+        for h in args.rules:
+            published = trainer.weights_state(dtype, chains[h], h)
+            rules[h] = {"ratio": dense / len(encode_delta(chains[h], published)),
+                        "mismatch": mismatch(score(scorer, published, batch), master_lp, batch)}
+            chains[h] = published
         changed = changed_count(states[-2], states[-1])
         floor = floors(states[-2], states[-1])
         floor_bytes = (floor["positions_given_key"] + floor["values_given_key"]) / 8
@@ -316,14 +346,12 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
                "ratio": dense / len(blob), "bytes_per_changed": len(blob) / max(changed, 1),
                "floor_bytes": floor_bytes, "floor_ratio": dense / max(floor_bytes, 1.0),
                "encode_s": enc, "decode_s": dec, "step_s": stats.get("t_train_s", 0.0),
-               "updates": stats.get("updates", 0), "rtn_delta_bytes": rtn_bytes, "rtn_ratio": dense / rtn_bytes,
-               "held_vs_rtn": len(blob) / rtn_bytes, "off_rtn_frac": off_rtn / numel,
-               "gap": stats.get("offpolicy_gap_mean", 0.0)}
+               "updates": stats.get("updates", 0), "move": move, "rules": rules}
         rows.append(row)
         print(f"{version:>3} {row['reward_mean']:>6.2f} {mixed:>2}/{len(groups):<2} {row['changed_frac']:>8.2%} "
               f"{dense / 1e6:>9.2f} {len(blob) / 1e3:>9.1f} {row['ratio']:>10.1f}x {row['bytes_per_changed']:>9.3f} "
-              f"{row['floor_ratio']:>6.1f}x {enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f} {rtn_bytes / 1e3:>9.1f} "
-              f"{row['held_vs_rtn']:>8.3f} {row['off_rtn_frac']:>7.2%} {row['gap']:>6.4f}", flush=True)
+              f"{row['floor_ratio']:>6.1f}x {enc:>6.2f} {dec:>6.2f} {row['step_s']:>6.1f} {move:>6.4f}"
+              + "".join(f" {r['ratio']:>5.1f}x {r['mismatch']:>7.4f}" for r in rules.values()), flush=True)
         if len(states) > max(args.gaps) + 1:
             states.pop(0)
     late = rows[len(rows) // 2:]
@@ -334,11 +362,14 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
               f"floor {statistics.mean(r['floor_ratio'] for r in label_rows):.1f}x), "
               f"{statistics.mean(r['bytes_per_changed'] for r in label_rows):.3f} B per changed value, "
               f"encode {statistics.mean(r['encode_s'] for r in label_rows):.2f} s, "
-              f"decode {statistics.mean(r['decode_s'] for r in label_rows):.2f} s; round-to-nearest "
-              f"{statistics.mean(r['rtn_ratio'] for r in label_rows):.1f}x "
-              f"(min {min(r['rtn_ratio'] for r in label_rows):.1f}x), held/rtn "
-              f"{statistics.mean(r['held_vs_rtn'] for r in label_rows):.3f}, "
-              f"gap {statistics.mean(r['gap'] for r in label_rows):.4f}", flush=True)
+              f"decode {statistics.mean(r['decode_s'] for r in label_rows):.2f} s", flush=True)
+        move = statistics.mean(r["move"] for r in label_rows)
+        for h in args.rules:
+            ratios = [r["rules"][h]["ratio"] for r in label_rows]
+            mis = statistics.mean(r["rules"][h]["mismatch"] for r in label_rows)
+            print(f"  rule hold {h:g}{' (round-to-nearest)' if h == 0.5 else ''}: dense/delta "
+                  f"{statistics.mean(ratios):.1f}x (min {min(ratios):.1f}x), mismatch {mis:.4f} "
+                  f"= {mis / max(move, 1e-12):.2f} versions' move ({move:.4f})", flush=True)
 
     catch_up = []
     last = states[-1]
@@ -396,7 +427,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hold-ulps", type=float, default=PublishConfig().hold_ulps,
-                        help="the publish rule (publish.hold_ulps; default: the learner's): 0.5 is round-to-nearest")
+                        help="the publish rule of the versions the engine runs (publish.hold_ulps; default: the "
+                             "learner's): 0.5 is round-to-nearest")
+    parser.add_argument("--rules", default="0.5,0.75,1.0",
+                        help="publish rules (hold_ulps values) to compare on the same masters: each one's delta "
+                             "bytes and policy mismatch")
     parser.add_argument("--no-compare", dest="compare", action="store_false",
                         help="skip the table of encoding alternatives")
     parser.add_argument("--json", action="store_true", help="also print one JSON object at the end")
@@ -409,6 +444,12 @@ def main() -> None:
     if any(len(u) != 2 or min(u) < 1 for u in args.updates):
         parser.error("--updates takes EPOCHSxMINIBATCHES with both >= 1, e.g. 1x1 or 2x2")
     args.gaps = sorted({int(g) for g in args.gaps.split(",")})
+    try:
+        args.rules = sorted({float(h) for h in args.rules.split(",") if h} | {args.hold_ulps})
+    except ValueError:
+        parser.error("--rules takes hold_ulps values, e.g. 0.5,0.75,1.0")
+    if any(not 0.5 <= h <= 2.0 for h in args.rules):
+        parser.error("--rules and --hold-ulps: values in 0.5 .. 2.0 (publish.hold_ulps)")
     if args.versions < 1 or min(args.gaps) < 1:
         parser.error("--versions and every --gaps entry must be >= 1")
     hf_logging.set_verbosity_error()
@@ -426,11 +467,11 @@ def main() -> None:
     for run in runs:
         ratios = [r["ratio"] for r in run["versions"]]
         gaps = ", ".join(f"g{c['gap']} {c['composite_ratio']:.1f}x" for c in run["catch_up"])
-        rtn = [r["rtn_ratio"] for r in run["versions"]]
-        print(f"  lr {run['lr']:g}, {run['ppo_epochs']}x{run['minibatches']} updates: {statistics.mean(ratios):.1f}x, "
-              f"later half {statistics.mean(ratios[len(ratios) // 2:]):.1f}x (min {min(ratios):.1f}x); catch-up {gaps}; "
-              f"round-to-nearest from the same masters {statistics.mean(rtn):.1f}x (min {min(rtn):.1f}x), "
-              f"hold {args.hold_ulps:g} / rtn {statistics.mean(ratios) / statistics.mean(rtn):.2f}x")
+        rules = ", ".join(f"hold {h:g} {statistics.mean(r['rules'][h]['ratio'] for r in run['versions']):.1f}x"
+                          for h in args.rules)
+        print(f"  lr {run['lr']:g}, {run['ppo_epochs']}x{run['minibatches']} updates (hold {args.hold_ulps:g}): "
+              f"{statistics.mean(ratios):.1f}x, later half {statistics.mean(ratios[len(ratios) // 2:]):.1f}x "
+              f"(min {min(ratios):.1f}x); catch-up {gaps}; the same masters by rule: {rules}")
     print(f"wall {report['wall_s']:.0f} s", flush=True)
     if args.json:
         print(json.dumps(report, indent=2, default=str))

@@ -241,11 +241,11 @@ def test_hold_ulps_refuses_values_outside_half_to_two(given: object) -> None:
     assert "hold_ulps" in msg
 
 
-def test_hold_ulps_defaults_to_one_ulp_and_takes_round_to_nearest() -> None:
+def test_hold_ulps_defaults_to_round_to_nearest_and_takes_one_ulp() -> None:
     base = {"publish.model": "m", "publish.policy_key": "k"}
-    assert load_config("learner", None, environ={}, overrides=base).publish.hold_ulps == 1.0
-    config = load_config("learner", None, environ={}, overrides={**base, "publish.hold_ulps": 0.5})
-    assert config.publish.hold_ulps == 0.5
+    assert load_config("learner", None, environ={}, overrides=base).publish.hold_ulps == 0.5
+    config = load_config("learner", None, environ={}, overrides={**base, "publish.hold_ulps": "1.0"})
+    assert config.publish.hold_ulps == 1.0
 
 
 def test_chunk_size_infinity_is_a_config_error(tmp_path: Path) -> None:
