@@ -33,9 +33,10 @@ def _tensor_hashes(path: Path) -> dict[str, str]:
 def _delta_learner_toml(path: Path, model: Path, key: Path) -> Path:
     # The untrained tiny model earns no reward, so gradients are zero; AdamW's decoupled weight decay
     # (lr x decay = 2e-4 a step) still moves every fp32 master, and a few percent of the bf16 casts.
+    # Values are held for 0.75 ulp (publish.hold_ulps): followers rebuild whatever bytes were published.
     learner_toml(path, model, key, steps=400, staleness=1, lr=1e-4, weight_decay=2.0, min_step_s=0.4, checkpoint_every=1000)
     text = path.read_text().replace("[publish]\n", "[publish]\ndtype = \"bfloat16\"\nkeyframe_every = 5\n"
-                                    "chunk_size = \"64KiB\"\n")
+                                    "chunk_size = \"64KiB\"\nhold_ulps = 0.75\n")
     path.write_text(text)
     return path
 

@@ -78,3 +78,27 @@ def test_plain_cast_when_there_is_nothing_to_hold() -> None:
     assert torch.equal(held_cast(masters, (masters + 1).clone(), torch.float32, 1.0), masters)
     state = held_state({"a": masters, "b": masters[:8]}, {"a": masters.to(BF16)}, BF16, 1.0)
     assert torch.equal(state["a"], masters.to(BF16)) and torch.equal(state["b"], masters[:8].to(BF16))
+
+
+def test_the_trainer_publishes_by_the_rule_and_refuses_what_overflows(tiny_model_dir) -> None:
+    from echo2swarm.config.rl import TrainConfig, VerifyConfig
+    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.learner.verify import NonFiniteWeightsError
+
+    trainer = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"), verify=VerifyConfig(enabled=False))
+    first = trainer.weights_state(BF16)
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.dim() == 2)
+    fp16 = trainer.weights_state(torch.float16)
+    with torch.no_grad():  # every master moves 0.9 of its own ulp away from zero, off its bf16 value
+        base = first[name].float()
+        away = (first[name].view(torch.int16) + 1).view(BF16).float()  # the magnitude's next step
+        param.copy_(base + 0.9 * (away - base))
+    held = trainer.weights_state(BF16, first, 1.0)
+    rounded = trainer.weights_state(BF16)
+    assert torch.equal(held[name], first[name])  # within one ulp: every value kept
+    assert int((rounded[name] != first[name]).sum()) > 0.8 * param.numel()  # round-to-nearest moved them
+    assert all(torch.equal(held[k], rounded[k]) for k in held if k != name)  # nothing moved elsewhere
+    with torch.no_grad():
+        param.fill_(1e6)  # beyond float16's range: the cast is inf and is never held
+    with pytest.raises(NonFiniteWeightsError):
+        trainer.weights_state(torch.float16, {**fp16, name: torch.full_like(fp16[name], 60000)}, 2.0)
