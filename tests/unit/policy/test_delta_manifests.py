@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, Publisher, keyframe_due
-from echo2swarm.policy.catchup import DeltaRefused, Linked, check_tensors, choose_path, rebuild
+from echo2swarm.policy.catchup import DeltaRefused, Linked, check_dense, choose_path, rebuild
 from echo2swarm.policy.delta import encode_delta, tensor_sha256
 from echo2swarm.policy.manifest import (
     BaseRef,
@@ -191,12 +191,39 @@ def test_rebuild_is_bit_exact_and_refuses_wrong_bases_and_hashes(published, tmp_
         rebuild(m7, m7.delta, versions.dir(6), linked[6].manifest, blob[:-1] + bytes([blob[-1] ^ 1]), out)
     assert e.value.reason == "blob_hash"
     assert not out.exists()
-    with pytest.raises(DeltaRefused) as e:
-        check_tensors(m7, {"w": states[6]["w"]})
-    assert e.value.reason == "tensor_names"
-    with pytest.raises(DeltaRefused) as e:
-        check_tensors(m7, {**states[6], "b": states[6]["b"].float()})
-    assert e.value.reason == "tensor_shape"
+
+
+def test_a_dense_version_is_checked_through_a_map_and_every_mismatch_refused(published, tmp_path: Path):
+    """check_dense: the weights file's tensors, dtypes, shapes and sha256 against the manifest."""
+    from safetensors.torch import save_file
+
+    _, _, versions, states, _, linked = published
+    m5 = linked[5].manifest
+    good = (versions.dir(5) / WEIGHTS_FILE).read_bytes()
+    check_dense(m5, versions.dir(5))  # as installed: passes
+    weights = tmp_path / WEIGHTS_FILE
+
+    def refused(content: bytes | dict[str, torch.Tensor]) -> str:
+        if isinstance(content, bytes):
+            weights.write_bytes(content)
+        else:
+            save_file(content, str(weights), metadata={"format": "pt"})
+        with pytest.raises(DeltaRefused) as e:
+            check_dense(m5, tmp_path)
+        return e.value.reason
+
+    assert refused({"w": states[4]["w"]}) == "tensor_names"
+    assert refused({**states[4], "extra": states[4]["b"].clone()}) == "tensor_names"
+    assert refused({**states[4], "b": states[4]["b"].float()}) == "tensor_shape"
+    assert refused({**states[4], "b": states[4]["b"][:32]}) == "tensor_shape"
+    assert refused({**states[4], "w": states[3]["w"]}) == "tensor_hash"  # v4's w: a real tensor, not v5's
+    flipped = bytearray(good)
+    flipped[-1] ^= 1  # the last byte of the last tensor's data
+    assert refused(bytes(flipped)) == "tensor_hash"
+    assert refused(b"\xff" * 64) == "tensor_shape"  # not a safetensors file
+    assert refused(good[:len(good) // 2]) == "tensor_shape"  # cut short: ranges past the end
+    weights.write_bytes(good)
+    check_dense(m5, tmp_path)
 
 
 def test_a_delta_against_an_unrelated_base_is_refused_as_wrong_base(published, tmp_path: Path):
