@@ -45,9 +45,3 @@ def held_cast(master: torch.Tensor, previous: torch.Tensor | None, dtype: torch.
     held = ((m - p).abs() <= hold_ulps * gap) & cast.isfinite()
     return torch.where(held, previous, cast)
 
-
-def held_state(masters: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None,
-               dtype: torch.dtype, hold_ulps: float) -> dict[str, torch.Tensor]:
-    """`held_cast` for every tensor of a state dict (tensors `previous` lacks are cast plainly)."""
-    previous = previous or {}
-    return {name: held_cast(t, previous.get(name), dtype, hold_ulps) for name, t in masters.items()}
