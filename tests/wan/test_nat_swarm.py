@@ -26,9 +26,11 @@ HOME_UP_MBIT = 20
 
 def _learner_toml(path: Path, model: Path, key: Path) -> Path:
     # Every version dense (keyframe_every = 1) in 64 KiB chunks: ~19 chunks a version for the plan's chains.
+    # Steps of at least 0.25 s: the untrained tiny model can step in 0.1 s, and a home that stalls for a
+    # second then falls more than a version behind as the learner exits, with no head left to catch up by.
     path.write_text("\n".join([
         'role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "keyframe_every = 1",
-        'chunk_size = "64KiB"', "[train]", 'task = "arith"', f"steps = {STEPS}", "staleness = 1",
+        'chunk_size = "64KiB"', "[train]", 'task = "arith"', f"steps = {STEPS}", "staleness = 1", "min_step_s = 0.25",
         "prompts_per_step = 8", "group_size = 4", "max_new_tokens = 4", "checkpoint_every = 100", "threads = 1",
         "[leases]", "max_prompts = 4", f"timeout_s = {LEASE_TIMEOUT_S}",
         # Both peers work throughout: cost-aware activation would put one on standby (the tiny model is fast).
