@@ -107,14 +107,15 @@ SOURCE_FAILURES = counter("fetch_source_failures_total", "Chunk and manifest req
 PLAN_PARENT = counter("fetch_plan_parent_events_total", "What happened with plan parents: not_begun (a parent that "
                       "had not begun the version, asked again), passed_over (a parent given up on after "
                       "fetch.source_wait_s), unknown (the plan named a parent with no card yet: the card read was "
-                      "awaited).", "event")
+                      "awaited), behind (its card showed it catching up, over 3 versions back: not waited for).",
+                      "event")
 FETCH = Section(
     keys={
         "bytes_fetched": _one(counter("fetch_received_bytes_total", "Verified chunk bytes fetched from other peers.")),
         "chunks_fetched": _one(counter("fetch_chunks_total", "Verified chunks fetched from other peers.")),
         "bad_chunk": _one(counter("fetch_bad_chunks_total", "Chunks that did not match their hash (source banned).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
-        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown")},
+        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind")},
     },
     prefixes={
         "source_": counter("fetch_source_faults_total",

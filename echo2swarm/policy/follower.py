@@ -70,6 +70,7 @@ OnVersion = Callable[[int, Path], Awaitable[None]]
 MAX_HEAD_BYTES = 16 * 1024  # a long-polled head's body at most (a head record is under 2 KiB)
 DHT_OVERDUE = 4  # with heads offered (long-poll, lease replies), the DHT is still read every 4 x head_poll_s
 MAX_SKIP_RECORDS = 1024  # distinct skipped head records remembered (for counting `known_bad` once each)
+PARENT_MAX_LAG = 3  # a plan parent whose card is further behind than this is not waited for (cards lag ~2 s)
 
 
 class PolicyFollower:
@@ -112,6 +113,7 @@ class PolicyFollower:
         self.arrival_s: dict[int, float] = {}
         self._first_seen: dict[int, float] = {}
         self._cards: list[PeerCard] = []
+        self._behind_noted: tuple[str, int] | None = None  # (parent, version) last counted as `parent_behind`
         self._sources: dict[str, ChunkSource] = {}
         self._publisher_cache: tuple[tuple[str, str | None, tuple[str, ...]], ChunkSource] | None = None
         self.plan: BroadcastPlan | None = None
@@ -441,6 +443,17 @@ class PolicyFollower:
                                                                   config=self.fetch_config))
         return cached[1]
 
+    def _parent_behind(self, peer_id: str, version: int) -> bool:
+        """The card of plan parent `peer_id` shows it more than PARENT_MAX_LAG versions before `version`
+        and not fetching it (counted once a version fetch as `parent_behind`)."""
+        card = next((c for c in self._cards if c.peer_id == peer_id), None)
+        if card is None or card.fetching == version or (card.version or 0) >= version - PARENT_MAX_LAG:
+            return False
+        if self._behind_noted != (peer_id, version):
+            self._behind_noted = (peer_id, version)
+            self.fetcher.stats["parent_behind"] += 1
+        return True
+
     def _holders(self, version: int) -> list[ChunkSource]:
         out = []
         for card in self._cards:
@@ -494,7 +507,10 @@ class PolicyFollower:
             route.append((publisher, 0.0))
         elif parent is not None:
             if (source := self._source_for(parent)) is not None:
-                route.append((source, self.fetch_config.source_wait_s))
+                # a parent whose card shows it far behind is catching up itself (it may skip this version):
+                # asked first, but not waited for
+                wait = 0.0 if self._parent_behind(parent, version) else self.fetch_config.source_wait_s
+                route.append((source, wait))
             else:  # its card not read yet (or expired): this chunk goes around its parent
                 self.fetcher.stats["parent_unknown"] += 1
         holders = [s for s in self._holders(version) if s.peer_id != head.publisher]

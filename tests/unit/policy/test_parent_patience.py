@@ -109,3 +109,29 @@ def test_a_holder_without_a_wait_is_never_asked_again(tmp_path: Path):
     learner = Parent("learner:llll", data, begun=True)
     asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(holder, 0.0), (learner, 0.0)], publisher=learner.name))
     assert len(holder.asked) == 3 and len(learner.asked) == 3 and fetcher.stats["parent_not_begun"] == 0
+
+
+def test_a_plan_parent_far_behind_is_not_waited_for() -> None:
+    """PolicyFollower._route waits fetch.source_wait_s for a plan parent unless its card shows it more than
+    PARENT_MAX_LAG versions behind and not fetching the version (it is catching up itself)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from echo2swarm.policy.follower import PARENT_MAX_LAG, PolicyFollower
+
+    stats: Counter[str] = Counter()
+    me = SimpleNamespace(_cards=[SimpleNamespace(peer_id="near", version=13, fetching=None),
+                                 SimpleNamespace(peer_id="far", version=3, fetching=9),
+                                 SimpleNamespace(peer_id="new", version=None, fetching=None),
+                                 SimpleNamespace(peer_id="on_it", version=2, fetching=14)],
+                         _behind_noted=None, fetcher=SimpleNamespace(stats=stats))
+
+    def behind(peer: str, version: int = 14) -> bool:
+        return PolicyFollower._parent_behind(me, peer, version)  # type: ignore[arg-type]
+
+    assert not behind("near") and not behind("near", 13 + PARENT_MAX_LAG)  # the cards lag: within the margin
+    assert behind("near", 14 + PARENT_MAX_LAG)
+    assert behind("far") and behind("far") and behind("new")
+    assert not behind("on_it")  # fetching this very version: worth waiting for
+    assert not behind("unknown")  # no card: the caller routes around it (parent_unknown)
+    assert stats["parent_behind"] == 3  # once per (parent, version) in a row, not once per chunk
