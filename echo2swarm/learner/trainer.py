@@ -273,9 +273,14 @@ class GRPOTrainer(UpdatePath):
         tensor holds a NaN or an inf, after the cast (fp32 values beyond float16's range become
         inf): such weights are never turned into bytes, so never signed, published or checkpointed.
         """
-        hold_from = hold_from or {}
-        state = {name: held_cast(t.to("cpu"), hold_from.get(name), dtype, hold_ulps) if dtype is not None
-                 else t.to("cpu") for name, t in unique_state_dict(self.model).items()}
+        hold_from = (hold_from or {}) if hold_ulps > ROUND_TO_NEAREST else {}
+
+        def published(name: str, t: torch.Tensor) -> torch.Tensor:
+            if dtype is None or name not in hold_from:  # cast on the way to the CPU, not after an fp32 copy
+                return t.to("cpu", dtype or t.dtype)
+            return held_cast(t.to("cpu"), hold_from[name], dtype, hold_ulps)
+
+        state = {name: published(name, t) for name, t in unique_state_dict(self.model).items()}
         check_finite(state)
         return state
 

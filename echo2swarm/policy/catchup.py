@@ -208,6 +208,15 @@ def _check_slots(manifest: Manifest, slots: Mapping[str, _Slot]) -> None:
                                f"the manifest says {info.dtype}{info.shape}")
 
 
+def _check_hashes(manifest: Manifest, views: Mapping[str, "np.ndarray"], want: Mapping[str, str]) -> None:
+    """DeltaRefused("tensor_hash") unless each tensor named in `want` hashes to its signed sha256."""
+    digests = sha256_views({name: views[name] for name in want})
+    wrong = sorted(name for name, sha in want.items() if digests[name] != sha)
+    if wrong:
+        raise DeltaRefused("tensor_hash", f"v{manifest.version}: {wrong[0]} does not match its signed sha256"
+                           + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+
+
 def rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifest, blob: bytes, out: Path,
             orders: "MutableMapping[str, TensorOrder] | None" = None,
             moved: "dict[str, list[Moved]] | None" = None) -> list[str]:
@@ -266,14 +275,9 @@ def _rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifes
         _check_slots(manifest, slots)
         signed_before = {t.name: t.sha256 for t in base.tensors}
         touched = set(changed)
-        want = {t.name: t.sha256 for t in manifest.tensors if t.sha256 is not None
-                and (t.name in touched or signed_before.get(t.name) != t.sha256)}
-        digests = sha256_views({name: bits[name] for name in want})
-        wrong = sorted(name for name, sha in want.items() if digests[name] != sha)
-        if wrong:
-            raise DeltaRefused("tensor_hash", f"v{manifest.version}: rebuilt {wrong[0]} does not match its signed sha256"
-                               + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
-        del bits, mm, digests  # a shared map: its writes are the file's (no flush: nothing here is fsynced either)
+        _check_hashes(manifest, bits, {t.name: t.sha256 for t in manifest.tensors if t.sha256 is not None
+                                       and (t.name in touched or signed_before.get(t.name) != t.sha256)})
+        del bits, mm  # a shared map: its writes are the file's (no flush: nothing here is fsynced either)
         return changed
     except BaseException:
         out.unlink(missing_ok=True)
@@ -397,9 +401,4 @@ def check_dense(manifest: Manifest, version_dir: Path) -> None:
         slots.update(layout)
         views.update({name: mm[s.start:s.end] for name, s in layout.items()})
     _check_slots(manifest, slots)
-    want = {t.name: t.sha256 for t in manifest.tensors if t.sha256 is not None}
-    digests = sha256_views({name: views[name] for name in want})
-    wrong = sorted(name for name, sha in want.items() if digests[name] != sha)
-    if wrong:
-        raise DeltaRefused("tensor_hash", f"v{manifest.version}: {wrong[0]} does not match its signed sha256"
-                           + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+    _check_hashes(manifest, views, {t.name: t.sha256 for t in manifest.tensors if t.sha256 is not None})
