@@ -68,10 +68,10 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from echo2swarm.config.models import PublishConfig  # noqa: E402
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
-from echo2swarm.learner.batches import Batch  # noqa: E402
-from echo2swarm.learner.buffer import Group  # noqa: E402
-from echo2swarm.learner.grpo import completion_logits  # noqa: E402
-from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
+from echo2swarm.train.batches import Batch  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
+from echo2swarm.train.grpo import completion_logits  # noqa: E402
+from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
 from echo2swarm.models.tiny import build_tiny_model  # noqa: E402
 from echo2swarm.models.warmup import supervised_warmup  # noqa: E402
 from echo2swarm.policy import delta as codec  # noqa: E402

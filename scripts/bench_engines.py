@@ -135,8 +135,8 @@ def learner_load(model_dir: Path, args: argparse.Namespace) -> None:
     import random
 
     from echo2swarm.config.rl import TrainConfig
-    from echo2swarm.learner.buffer import Group
-    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.train.group import Group
+    from echo2swarm.train.trainer import GRPOTrainer
     from echo2swarm.tasks.registry import get_task
 
     config = TrainConfig(task="arith", prompts_per_step=2 * args.prompts, group_size=args.group_size,

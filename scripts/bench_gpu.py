@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig  # noqa: E402
-from echo2swarm.learner.buffer import Group  # noqa: E402
-from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
+from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
 from echo2swarm.models.tiny import MAX_POSITIONS, build_tiny_model  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402

@@ -53,7 +53,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
-from echo2swarm.learner.buffer import Group  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
 from echo2swarm.models.tiny import MAX_POSITIONS, build_tiny_model  # noqa: E402
 
 FIRST_CHAR_ID = 4  # ids 0..3 are <pad> <bos> <eos> <unk>
@@ -160,8 +160,8 @@ def rank_main(rank: int, world: int, sharded: bool, port: int, model_dir: str, a
     # Imported before the baseline at every W: modules are not what the ranks split.
     import torch.distributed.checkpoint  # noqa: F401
 
-    from echo2swarm.learner.distributed import ShardedTrainer, init_ranks
-    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.train.distributed import ShardedTrainer, init_ranks
+    from echo2swarm.train.trainer import GRPOTrainer
 
     config = TrainConfig(device=args.device, lr=1e-5, group_size=args.group_size, max_new_tokens=args.completion_len,
                          ppo_epochs=args.ppo_epochs, minibatches=args.minibatches,

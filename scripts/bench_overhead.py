@@ -30,8 +30,8 @@ def single_process(model_dir: Path, args: argparse.Namespace) -> dict:
     import torch
 
     from echo2swarm.config.rl import TrainConfig
-    from echo2swarm.learner.buffer import Group
-    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.train.group import Group
+    from echo2swarm.train.trainer import GRPOTrainer
     from echo2swarm.rollout.engines.base import SamplingParams
     from echo2swarm.rollout.engines.hf import TransformersEngine
     from echo2swarm.tasks.registry import get_task

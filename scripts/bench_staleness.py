@@ -157,8 +157,8 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     from safetensors.torch import save_file
 
     from echo2swarm.config.rl import TrainConfig, VerifyConfig
-    from echo2swarm.learner.buffer import Group
-    from echo2swarm.learner.trainer import GRPOTrainer
+    from echo2swarm.train.group import Group
+    from echo2swarm.train.trainer import GRPOTrainer
     from echo2swarm.rollout.engines import SamplingParams
     from echo2swarm.rollout.engines.hf import TransformersEngine
     from echo2swarm.tasks.registry import get_task

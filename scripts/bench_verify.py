@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""How well the learner's group verification (echo2swarm/learner/verify.py) tells honest groups
+"""How well the learner's group verification (echo2swarm/train/verify.py) tells honest groups
 from crafted ones, and what it costs, in one invocation.
 
     python scripts/bench_verify.py [--model DIR] [--groups 400] [--dtypes fp32,bf16] [--steps 16]
@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
-from echo2swarm.learner.buffer import Group  # noqa: E402
-from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
-from echo2swarm.learner.scoring import VARIANCE_FLOOR, score_tokens  # noqa: E402
-from echo2swarm.learner.verify import Verifier  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
+from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
+from echo2swarm.train.scoring import VARIANCE_FLOOR, score_tokens  # noqa: E402
+from echo2swarm.train.verify import Verifier  # noqa: E402
 from echo2swarm.models.tiny import CHARSET  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402
@@ -137,7 +137,7 @@ def spread(lab: Lab, groups: list[Group], version: int) -> dict[str, torch.Tenso
     if version != lab.version:
         model = lab.trainer._spare_model()
         model.requires_grad_(False)
-        from echo2swarm.learner.verify import _read_model_dir, load_policy_weights
+        from echo2swarm.train.verify import _read_model_dir, load_policy_weights
 
         load_policy_weights(model, _read_model_dir(lab.version_dir(version)))
     batch = lab.trainer.build_batch(groups)
@@ -207,7 +207,7 @@ def crafted_groups(lab: Lab, version: int, rng: random.Random, n: int) -> dict[s
     def true_logprobs(groups: list[Group]) -> list[Group]:
         spare = tr._spare_model()
         spare.requires_grad_(False)
-        from echo2swarm.learner.verify import _read_model_dir, load_policy_weights
+        from echo2swarm.train.verify import _read_model_dir, load_policy_weights
 
         load_policy_weights(spare, _read_model_dir(lab.version_dir(version)))
         batch = tr.build_batch(groups)

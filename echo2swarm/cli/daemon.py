@@ -91,7 +91,7 @@ def daemon(role, config_path, initial_peers, host_maddrs, announce_maddrs, print
     if config.role == "learner" and int(os.environ.get("RANK", "0")) > 0:
         # Rank 1..W-1 of a sharded learner under torchrun (scripts/launch_learner.sh): no network
         # side, only its shards of the training, following rank 0's commands until it says stop.
-        from echo2swarm.learner.distributed import serve_rank
+        from echo2swarm.train.distributed import serve_rank
 
         setup_logging(config.log_level)
         os._exit(serve_rank(Path(config.publish.model), config.train, config.verify))  # type: ignore[arg-type]

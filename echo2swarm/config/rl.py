@@ -350,7 +350,7 @@ class ActivationConfig(_Section):
 
 
 class VerifyConfig(_Section):
-    """The learner's checks of rollout peers' groups against its own policy (learner/verify.py), before
+    """The learner's checks of rollout peers' groups against its own policy (train/verify.py), before
     they train: implausible behaviour logprobs, logprobs that are not the claimed version's, text the
     policy would almost never sample. A refused group is dropped from the step and reported.
 

@@ -32,7 +32,7 @@ from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
 from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, PublishedVersion, Publisher, model_files
-from echo2swarm.learner.verify import NonFiniteWeightsError
+from echo2swarm.train.verify import NonFiniteWeightsError
 from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
 from echo2swarm.policy.server import Handler
 from echo2swarm.policy.store import collect_garbage
@@ -84,8 +84,8 @@ class LearnerService:
     # -- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
         # torch + transformers: only in the learner. Under torchrun (W > 1) this is rank 0 of a sharded
-        # trainer; ranks 1..W-1 follow its commands (learner/distributed.py, started by `daemon`).
-        from echo2swarm.learner.distributed import make_trainer
+        # trainer; ranks 1..W-1 follow its commands (train/distributed.py, started by `daemon`).
+        from echo2swarm.train.distributed import make_trainer
         from echo2swarm.tasks.registry import get_task
 
         model_dir = Path(self.config.publish.model)  # type: ignore[arg-type]

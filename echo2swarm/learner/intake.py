@@ -38,7 +38,8 @@ from typing import Protocol
 
 from echo2swarm.config.rl import LeaseConfig, PeersConfig, TrainConfig
 from echo2swarm.learner.accountability import VIOLATIONS, Ban, PeerLedger
-from echo2swarm.learner.buffer import Group, RolloutBuffer
+from echo2swarm.learner.buffer import RolloutBuffer
+from echo2swarm.train.group import Group
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
 from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
 from echo2swarm.overlay.rpc import RpcError

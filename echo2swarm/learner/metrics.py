@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from echo2swarm.config.metrics import MetricsConfig
-from echo2swarm.learner.buffer import Group
+from echo2swarm.train.group import Group
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

@@ -30,11 +30,11 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
-from echo2swarm.learner.buffer import Group  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
 from echo2swarm.learner.checkpoint import load_latest, save_checkpoint  # noqa: E402
-from echo2swarm.learner.distributed import make_trainer, serve_rank, world_size  # noqa: E402
-from echo2swarm.learner.grpo import token_logprobs  # noqa: E402
-from echo2swarm.learner.trainer import GRPOTrainer  # noqa: E402
+from echo2swarm.train.distributed import make_trainer, serve_rank, world_size  # noqa: E402
+from echo2swarm.train.grpo import token_logprobs  # noqa: E402
+from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
 
 
 def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:

@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).parents[2]
 def test_bench_learner_imports_nothing_of_the_swarm() -> None:
     code = (
         "import runpy, sys; runpy.run_path('scripts/bench_learner.py'); "
-        "import echo2swarm.learner.distributed; "
+        "import echo2swarm.train.distributed; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'hivemind', 'aiohttp', 'click', 'cryptography'}))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=150)

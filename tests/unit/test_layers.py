@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"control"},              # capacity model and activation: pure logic, the rules config checks
     {"wire"},                 # records, signing, RPC messages: what crosses the network
     {"config"},               # typed configuration per role
+    {"train"},                # the torch-only training stack: GRPO loss, trainer, verification
     {"overlay"},              # the only hivemind importer
     {"policy"},               # signed versions: manifests, chunk store, server, fetcher, follower
     {"tasks"},                # data-plane adapters

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from echo2swarm.learner.buffer import Group, RolloutBuffer
+from echo2swarm.learner.buffer import RolloutBuffer
+from echo2swarm.train.group import Group
 
 _ids = itertools.count()
 

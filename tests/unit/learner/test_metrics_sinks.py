@@ -22,7 +22,7 @@ import pytest
 
 from echo2swarm.config.loading import ConfigError, load_config
 from echo2swarm.config.metrics import MetricsConfig
-from echo2swarm.learner.buffer import Group
+from echo2swarm.train.group import Group
 from echo2swarm.learner.metrics import MetricsLog, read_metrics, sample_rows, scalars
 
 STEPS = 6

@@ -5,7 +5,7 @@
          (input ids, attention mask, completion mask, behaviour logprobs, advantages per group, versions)
 
 `Batch.select` and `Batch.only_rows` cut minibatches and take refused groups out of the objective
-(learner/updates.py, learner/trainer.py).
+(train/updates.py, train/trainer.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import group_advantages
+from echo2swarm.train.group import Group
+from echo2swarm.train.grpo import group_advantages
 
 __all__ = ["Batch", "build_batch", "group_rows"]
 

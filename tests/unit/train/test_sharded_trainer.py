@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.trainer import GRPOTrainer
-from tests.unit.learner.test_trainer_device import make_groups
+from echo2swarm.train.trainer import GRPOTrainer
+from helpers.groups import make_groups
 
 REPO = Path(__file__).parents[3]
 HELPER = REPO / "tests" / "helpers" / "sharded_steps.py"

@@ -5,11 +5,11 @@
       ─► one fused update (the proximal forward's own loss), or `ppo_epochs` passes over the kept
          groups shuffled into `minibatches` minibatches
       ─► each minibatch's gradient accumulated over micro-batches (`train.micro_batch_sequences`),
-         shared out across ranks under torchrun (learner/distributed.py)
+         shared out across ranks under torchrun (train/distributed.py)
       ─► clip and AdamW step, skipped when the loss or the gradient norm is not finite
 
 `UpdatePath` is a mixin of GRPOTrainer: it uses the trainer's model, reference, optimizer, config,
-device, rank and world, and learner/distributed.py's ShardedTrainer overrides its hooks
+device, rank and world, and train/distributed.py's ShardedTrainer overrides its hooks
 (`_gather_update`, `_clip_gradients`).
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from echo2swarm.config.rl import TrainConfig
-from echo2swarm.learner.batches import Batch
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import LossOptions, grpo_loss, log_importance_weights, token_logprobs
+from echo2swarm.train.batches import Batch
+from echo2swarm.train.group import Group
+from echo2swarm.train.grpo import LossOptions, grpo_loss, log_importance_weights, token_logprobs
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

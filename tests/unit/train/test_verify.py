@@ -1,4 +1,4 @@
-"""The learner's verification of rollout groups (learner/verify.py) inside GRPOTrainer.step.
+"""The learner's verification of rollout groups (train/verify.py) inside GRPOTrainer.step.
 
 Real tiny model, real transformers engine, real training steps: honest groups come from the
 engine at the version they claim, published to disk as the learner does; crafted groups are what
@@ -18,15 +18,15 @@ import torch
 from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import completion_logits, token_logprobs
-from echo2swarm.learner.trainer import GRPOTrainer
-from echo2swarm.learner.verify import (
+from echo2swarm.train.group import Group
+from echo2swarm.train.grpo import completion_logits, token_logprobs
+from echo2swarm.train.trainer import GRPOTrainer
+from echo2swarm.train.verify import (
     NonFiniteWeightsError,
     Verifier,
     VerifyResult,
 )
-from echo2swarm.learner.scoring import _chunk_scores, score_logits, score_tokens, typicality_z
+from echo2swarm.train.scoring import _chunk_scores, score_logits, score_tokens, typicality_z
 from echo2swarm.rollout.engines.base import SamplingParams
 from echo2swarm.rollout.engines.hf import TransformersEngine
 from echo2swarm.tasks.arith import ArithTask
@@ -349,7 +349,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_the_weights(tiny_model_dir: Pat
                        [[-1e30] * len(c) for c in honest[0].completions], honest[0].finish_reasons, "mallory",
                        rewards=[1.0] + [0.0] * 7)
     before = state(lab.trainer)
-    with caplog.at_level(logging.ERROR, logger="echo2swarm.learner.updates"):
+    with caplog.at_level(logging.ERROR, logger="echo2swarm.train.updates"):
         stats = lab.trainer.step(honest[1:] + [absurd], current_version=1)
     assert stats["skipped_nonfinite"] == 1 and not math.isfinite(stats["loss"])
     assert lab.trainer.skipped_nonfinite == 1

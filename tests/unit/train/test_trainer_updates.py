@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.grpo import grpo_loss, token_logprobs
-from echo2swarm.learner.trainer import GRPOTrainer
-from tests.unit.learner.test_trainer_device import make_groups
+from echo2swarm.train.grpo import grpo_loss, token_logprobs
+from echo2swarm.train.trainer import GRPOTrainer
+from helpers.groups import make_groups
 
 UNVERIFIED = VerifyConfig(enabled=False)
 
@@ -96,7 +96,7 @@ def test_single_update_matches_grpo_loss_with_the_configured_options(tiny_model_
     batch = trainer.build_batch(groups)
     with torch.no_grad():
         lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    from echo2swarm.learner.grpo import LossOptions
+    from echo2swarm.train.grpo import LossOptions
 
     expected, _ = grpo_loss(lp, batch.behaviour, batch.advantages, batch.completion_mask, proximal_logprobs=lp,
                             is_cap=config.is_cap, options=LossOptions(loss_type="dr_grpo", is_mode="mask",

@@ -98,8 +98,8 @@ from typing import Any
 import torch
 
 from echo2swarm.config.rl import VerifyConfig
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.scoring import VARIANCE_FLOOR, TokenScores, score_tokens
+from echo2swarm.train.group import Group
+from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, score_tokens
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

@@ -28,13 +28,13 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.batches import Batch, build_batch, group_rows
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import completion_logits
-from echo2swarm.learner.rounding import ROUND_TO_NEAREST, held_cast
-from echo2swarm.learner.scoring import score_logits
-from echo2swarm.learner.updates import UpdatePath, merge_updates
-from echo2swarm.learner.verify import (
+from echo2swarm.train.batches import Batch, build_batch, group_rows
+from echo2swarm.train.group import Group
+from echo2swarm.train.grpo import completion_logits
+from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
+from echo2swarm.train.scoring import score_logits
+from echo2swarm.train.updates import UpdatePath, merge_updates
+from echo2swarm.train.verify import (
     NonFiniteWeightsError,
     Verifier,
     VerifyResult,
@@ -72,13 +72,13 @@ class GRPOTrainer(UpdatePath):
     >>> stats["refused_groups"]                # [(peer_id, prompt_id, reason), ...]
     >>> weights = trainer.weights_bytes()      # safetensors bytes for the next version
 
-    ``verify`` (default: ``VerifyConfig()``, checks on) configures the checks of learner/verify.py;
+    ``verify`` (default: ``VerifyConfig()``, checks on) configures the checks of train/verify.py;
     ``weights_of(version)`` gives the weights of a version the learner published (tensors by name,
     or its model directory), None when gone. Without it, groups older than the step's version get
     the plausibility and typicality checks but no exact check.
     """
 
-    rank = 0   # this process's rank among the learner's ranks (learner/distributed.py)
+    rank = 0   # this process's rank among the learner's ranks (train/distributed.py)
     world = 1  # ranks training the policy together; each takes every world-th micro-batch
 
     def __init__(self, model_dir: Path, config: TrainConfig, *, verify: VerifyConfig | None = None,
@@ -102,7 +102,7 @@ class GRPOTrainer(UpdatePath):
                                      weights_of=weights_of, make_spare=self._spare_model)
         self.skipped_nonfinite = 0  # updates skipped so far because the loss or a gradient was not finite
 
-    # -- building (learner/distributed.py's ShardedTrainer overrides these) ----------------------
+    # -- building (train/distributed.py's ShardedTrainer overrides these) ----------------------
     def _resolve_device(self) -> torch.device:
         return resolve_device(self.config.device, setting="train.device (--device)")
 
@@ -269,7 +269,7 @@ class GRPOTrainer(UpdatePath):
 
         The cast is what a version publishes: what peers run and what their logprobs are measured
         against. With ``hold_from`` (the previous version's tensors), values within ``hold_ulps`` of
-        theirs are kept (learner/rounding.py). Raises NonFiniteWeightsError (a ValueError) when any
+        theirs are kept (train/rounding.py). Raises NonFiniteWeightsError (a ValueError) when any
         tensor holds a NaN or an inf, after the cast (fp32 values beyond float16's range become
         inf): such weights are never turned into bytes, so never signed, published or checkpointed.
         """

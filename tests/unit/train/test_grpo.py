@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from echo2swarm.learner.grpo import LossOptions, group_advantages, grpo_loss, token_logprobs
+from echo2swarm.train.grpo import LossOptions, group_advantages, grpo_loss, token_logprobs
 from echo2swarm.models.tiny import build_tiny_model
 
 # ---------------------------------------------------------------------------- group_advantages

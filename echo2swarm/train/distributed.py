@@ -42,10 +42,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.rounding import ROUND_TO_NEAREST, held_cast
-from echo2swarm.learner.trainer import GRPOTrainer, unique_state_dict
-from echo2swarm.learner.verify import WeightsOf, check_finite
+from echo2swarm.train.group import Group
+from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
+from echo2swarm.train.trainer import GRPOTrainer, unique_state_dict
+from echo2swarm.train.verify import WeightsOf, check_finite
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from echo2swarm.learner.grpo import CompletionLogits, completion_logits
+from echo2swarm.train.grpo import CompletionLogits, completion_logits
 
 # Added to Σ Var (nats²) under the square root of z: at near-certain positions the variance is ~0
 # and a single sampled runner-up would otherwise give an unbounded z. 1 nat² keeps honest z below

@@ -5,7 +5,6 @@ The tests marked `gpu` run only where torch sees a CUDA device; CI on CPUs skips
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -14,32 +13,15 @@ from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.learner.buffer import Group
-from echo2swarm.learner.grpo import grpo_loss, token_logprobs
-from echo2swarm.learner.trainer import GRPOTrainer
+from echo2swarm.train.grpo import grpo_loss, token_logprobs
+from echo2swarm.train.trainer import GRPOTrainer
+from helpers.groups import make_groups
 
 no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 # make_groups' completions are random tokens with made-up behaviour logprobs: the learner's
-# verification (tests/unit/learner/test_verify.py) rightly refuses them, so these tests, about
+# verification (tests/unit/train/test_verify.py) rightly refuses them, so these tests, about
 # devices and numerics, train with it off.
 UNVERIFIED = VerifyConfig(enabled=False)
-
-
-def make_groups(trainer: GRPOTrainer, *, n_groups: int = 3, group_size: int = 4, version: int = 1,
-                seed: int = 0) -> list[Group]:
-    rng = random.Random(seed)
-    groups = []
-    for g in range(n_groups):
-        prompt = trainer.encode_prompt(f"{rng.randint(1, 99)}+{rng.randint(1, 99)}=")
-        completions = [[rng.randrange(4, trainer.vocab_size) for _ in range(rng.randint(1, 6))]
-                       for _ in range(group_size)]
-        groups.append(Group(
-            prompt_id=f"p{g}", version=version, prompt_ids=prompt, completions=completions,
-            behaviour_logprobs=[[-rng.uniform(2.0, 5.0) for _ in c] for c in completions],
-            rewards=[float(rng.random() < 0.5) + 0.1 * i for i in range(group_size)],
-            finish_reasons=["stop"] * group_size,
-        ))
-    return groups
 
 
 def test_cpu_step_matches_the_plain_cpu_recipe(tiny_model_dir: Path) -> None:

@@ -1,11 +1,11 @@
-"""The publish rule (learner/rounding.py) against hand-computed bf16/fp16 values."""
+"""The publish rule (train/rounding.py) against hand-computed bf16/fp16 values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from echo2swarm.learner.rounding import held_cast
+from echo2swarm.train.rounding import held_cast
 
 BF16 = torch.bfloat16
 UP = 2.0**-7  # bf16's ulp on [1, 2)
@@ -80,8 +80,8 @@ def test_plain_cast_when_there_is_nothing_to_hold() -> None:
 
 def test_the_trainer_publishes_by_the_rule_and_refuses_what_overflows(tiny_model_dir) -> None:
     from echo2swarm.config.rl import TrainConfig, VerifyConfig
-    from echo2swarm.learner.trainer import GRPOTrainer
-    from echo2swarm.learner.verify import NonFiniteWeightsError
+    from echo2swarm.train.trainer import GRPOTrainer
+    from echo2swarm.train.verify import NonFiniteWeightsError
 
     trainer = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"), verify=VerifyConfig(enabled=False))
     first = trainer.weights_state(BF16)
