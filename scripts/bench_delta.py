@@ -71,6 +71,7 @@ from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
 from echo2swarm.train.batches import Batch  # noqa: E402
 from echo2swarm.train.group import Group  # noqa: E402
 from echo2swarm.train.grpo import completion_logits  # noqa: E402
+from echo2swarm.train.rounding import publish_dtype  # noqa: E402
 from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
 from echo2swarm.models.tiny import build_tiny_model  # noqa: E402
 from echo2swarm.models.warmup import supervised_warmup  # noqa: E402
@@ -303,7 +304,7 @@ def run_lr(model_dir: Path, lr: float, updates: tuple[int, int], args: argparse.
     trainer = GRPOTrainer(model_dir, config, verify=VerifyConfig(enabled=False))
     engine = TransformersEngine(model_dir, threads=args.threads)
     task = ArithTask(seed=args.seed, max_operand=args.max_operand)
-    dtype = trainer.publish_dtype("bfloat16")
+    dtype = publish_dtype("bfloat16")
     states = [trainer.weights_state(dtype)]
     chains = {h: states[0] for h in args.rules}  # each rule's previous published version
     scorer = copy.deepcopy(trainer.model).eval()  # scores completions under any state

@@ -4,7 +4,7 @@
     python scripts/bench_install_check.py [--gib 1.0] [--repeats 3]
 
 Publishes one dense bf16 version (random tensors in a Qwen3-like mix of shapes, --gib of weights)
-with the learner's Publisher into a temporary store, then checks it (every tensor's name, dtype,
+with the learner's VersionWriter into a temporary store, then checks it (every tensor's name, dtype,
 shape and signed sha256) three ways, each in a fresh process so that its peak RSS is its own:
 
     load-all    what `catchup.check_dense` did before: safetensors.load_file of the whole file, then
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _publish(root: Path, gib: float) -> None:
     import torch
 
-    from echo2swarm.learner.publisher import Publisher
+    from echo2swarm.learner.versions import VersionWriter
     from echo2swarm.policy.store import ChunkStore, VersionStore
     from echo2swarm.wire.signing import PolicyKey
 
@@ -50,8 +50,8 @@ def _publish(root: Path, gib: float) -> None:
                             ("o", (hidden, hidden)), ("gate", (2 * hidden, hidden)), ("up", (2 * hidden, hidden)),
                             ("down", (hidden, 2 * hidden))):
             state[f"layers.{i}.{name}.weight"] = (torch.randn(shape, generator=g) * 0.02).bfloat16()
-    publisher = Publisher("bench", PolicyKey.generate(), ChunkStore(root), VersionStore(root), "auto", "bench")
-    publisher.publish_state(state, {"config.json": b"{}"}, 1, previous=None, keyframe=None, keyframe_every=10,
+    writer = VersionWriter("bench", PolicyKey.generate(), ChunkStore(root), VersionStore(root), "auto", "bench")
+    writer.write_state(state, {"config.json": b"{}"}, 1, previous=None, keyframe=None, keyframe_every=10,
                             max_ratio=0.5)
 
 

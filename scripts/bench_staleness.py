@@ -158,6 +158,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
 
     from echo2swarm.config.rl import TrainConfig, VerifyConfig
     from echo2swarm.train.group import Group
+    from echo2swarm.train.rounding import publish_dtype
     from echo2swarm.train.trainer import GRPOTrainer
     from echo2swarm.rollout.engines import SamplingParams
     from echo2swarm.rollout.engines.hf import TransformersEngine
@@ -169,7 +170,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
     config = TrainConfig(**{**TRAIN, "device": "cpu", **train}, staleness=max(staleness, 0), seed=seed)
     # Verification checks peers; here the engine is our own, so it is off (it changes nothing trained).
     trainer = GRPOTrainer(model, config, verify=VerifyConfig(enabled=False))
-    dtype = trainer.publish_dtype(publish.get("publish_dtype", "float32"))
+    dtype = publish_dtype(publish.get("publish_dtype", "float32"))
     hold = float(publish.get("hold_ulps", 0.5))
 
     def publish_version(version: int, previous: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

@@ -456,6 +456,7 @@ class PublishConfig(StrictModel):
         return self
 
 
+VERSIONS_BEYOND_WINDOW = 4  # the learner keeps S + this many versions (LearnerConfig.versions_kept)
 AUTO_CHUNKS = 256  # publish.chunk_size = "auto": about this many chunks per version
 AUTO_CHUNK_MIN = 64 * 1024
 AUTO_CHUNK_MAX = 8 * MiB
@@ -540,6 +541,12 @@ class LearnerConfig(_DaemonBase):
                 "the learner needs a policy key: create one with `echo2swarm keygen KEY` and pass --policy-key KEY"
             )
         return self
+
+    @property
+    def versions_kept(self) -> int:
+        """Newest versions the learner keeps (besides its delta chain): the staleness window, whose
+        behaviour versions verification reads, plus a margin for followers still fetching one."""
+        return max(self.store.keep_versions, self.train.staleness + VERSIONS_BEYOND_WINDOW)
 
 
 class RolloutConfig(_FollowerBase):

@@ -94,8 +94,10 @@ def check_disk(config: AnyDaemonConfig) -> Check:
     if isinstance(config, LearnerConfig):
         model = Path(config.publish.model)
         size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file()) if model.is_dir() else 0
-        # the published versions kept, checkpoints (weights + optimizer ~3x), the final model
-        need = max(need, size * (config.store.keep_versions + config.train.staleness + 4 + 3 * config.train.keep_checkpoints + 1))
+        # the versions kept (each dense in the learner's own store, the delta chain since the last keyframe too),
+        # checkpoints (weights + optimizer ~3x), the final model
+        kept = max(config.versions_kept, config.publish.keyframe_every)
+        need = max(need, size * (kept + 3 * config.train.keep_checkpoints + 1))
         detail += f"; the model is {size / GiB:.2f} GiB, a run keeps about {need / GiB:.1f} GiB"
     if free < need:
         return Check("disk", "fail", detail, f"free space or point --state-dir at a larger disk (need ~{need / GiB:.1f} GiB)")

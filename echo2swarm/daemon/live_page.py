@@ -35,14 +35,14 @@ from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.metrics import MetricsLog
-from echo2swarm.learner.publisher import PublishedVersion
+from echo2swarm.learner.versions import PublishedVersion
 from echo2swarm.policy.server import Handler
 
 STEPS_LIMIT = 500  # most step records in one /v1/steps answer (the metrics log keeps the last 2000)
 MAX_PEER_ROWS = 512  # most peers in one /v1/peers answer (overlay.max_cards may allow more cards)
 PEERS_CACHE_S = 1.0  # /v1/peers is rebuilt at most this often
 MAX_STEP = 10**12
-# What the page draws of each step record (learner/metrics.py writes them; learner_service.py names them).
+# What the page draws of each step record (learner/metrics.py writes them; learner/loop.py names them).
 STEP_FIELDS = (
     "step", "version", "published_version", "time_s", "reward_mean", "reward_std", "loss", "kl",
     "bubble_ratio", "bubble_ratio_total", "wait_s", "t_train_s", "t_bcast_s", "cost_usd", "active_peers",
@@ -54,7 +54,7 @@ _JSON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff
 
 
 class LearnerView(Protocol):
-    """What the page reads of the learner's service (daemon/learner_service.py), never writes."""
+    """What the page reads of the learner (learner/loop.py), never writes."""
 
     broadcast: BroadcastTracker
     activation: LearnerActivation

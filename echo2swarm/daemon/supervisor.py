@@ -318,7 +318,7 @@ class Daemon:
 def preflight(config: AnyDaemonConfig) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
     if isinstance(config, LearnerConfig):
-        from echo2swarm.learner.publisher import model_files
+        from echo2swarm.learner.versions import model_files
         from echo2swarm.wire.signing import PolicyKey
 
         from echo2swarm.tasks.registry import available_tasks

@@ -1,6 +1,6 @@
 """Per-step learner metrics: run_dir/metrics.jsonl always, TensorBoard and Weights & Biases when configured.
 
-    LearnerService._train ─► MetricsLog.write(record, groups)
+    Learner._train ─► MetricsLog.write(record, groups)
         ├─► metrics.jsonl          one JSON object per step, flushed per line: the source of truth
         ├─► recent()               the last records in memory, for the live page
         ├─► samples.jsonl          every `samples_every` steps: decoded completions with their rewards

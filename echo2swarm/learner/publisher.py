@@ -1,279 +1,152 @@
-"""Turn a model directory into signed policy version v: chunks in the store, a signed manifest, a head.
+"""The learner's published versions, owned in one place: the head, the delta chain, keyframes, what is kept.
 
-Only safetensors weights and plain config/tokenizer files are published: never pickled weights
-or Python files, which would run code on every rollout peer that loads them.
+    Publisher(config.publish, ...)      publish.dtype resolved once, from the model directory
+      .publish(trainer, version)        at start (after a restart the store's last version and its
+                                        keyframe become the delta bases, when their tensors fit), then every κ steps:
+            trainer.weights_state(dtype, held against the previous version, publish.hold_ulps)
+              ─► VersionWriter.write_state: keyframe or delta (+ composite), chunks, signed manifest
+              ─► previous / keyframe / chain bytes move on ─► stores keep versions_kept + the chain
+      .rollback_weights()               the newest published tensors, when the policy went non-finite
+      .head(ttl, chunk_url, maddrs)     a freshly signed head of the newest version, per announcement
 
-Trained weights (`publish_state`) go out as a keyframe (dense) or a delta against the previous
-version (policy/delta.py), whichever `keyframe_due` says:
-
-    v1 dense ─► v2 Δ(v1) ─► v3 Δ(v2) + composite Δ(v1) ─► ... ─► v11 dense + Δ(v10) ─► v12 Δ(v11) ...
-
-A delta version's manifest names its base and keyframe by manifest sha256 and carries every
-resulting tensor's sha256; a keyframe also offers the delta from the previous version, so a peer
-that follows every version never downloads a dense copy after it joined. The learner's own
-version directory always holds the dense weights (the verifier and rollback read them).
+Nothing here trains or talks to peers: the learner (learner/loop.py) calls these from a worker
+thread between steps, then tells the broadcast tracker and the intake.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import time
-from dataclasses import dataclass, field
+from collections import Counter, deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
-from echo2swarm.config.models import auto_chunk_size
-from echo2swarm.policy.manifest import (
-    SAFETENSORS_MAX_HEADER,
-    BaseRef,
-    ChunkRef,
-    DeltaFile,
-    FileEntry,
-    Manifest,
-    SignedManifest,
-    TensorInfo,
-    safetensors_tensors,
-    sha256_hex,
-)
+from echo2swarm.config.models import PublishConfig
+from echo2swarm.learner.versions import WEIGHTS_FILE, DeltaBase, PublishedVersion, VersionWriter, model_files
+from echo2swarm.policy.manifest import sha256_hex
+from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
+from echo2swarm.runtime.logging import get_logger
+from echo2swarm.train.base import Trainer
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PolicyKey
-from echo2swarm.policy.store import ChunkStore, VersionStore
-from echo2swarm.runtime.logging import get_logger
 
-if TYPE_CHECKING:  # torch only where weights are encoded: importing this module stays light
+if TYPE_CHECKING:
     import torch
 
 logger = get_logger(__name__)
-PUBLISHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model", ".tiktoken")
-WEIGHTS_FILE = "model.safetensors"
-
-
-def delta_file_name(base: int) -> str:
-    return f"delta-from-v{base:08d}.e2sd"
-
-
-class ModelDirError(ValueError):
-    pass
-
-
-def model_files(model_dir: Path) -> list[Path]:
-    """The files of a Hugging Face model directory that make up a version, sorted by name."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelDirError(f"--model {model_dir}: not a directory (create one with `echo2swarm tiny-model DIR`)")
-    files = sorted(
-        p for p in model_dir.iterdir()
-        if p.is_file() and p.suffix in PUBLISHED_SUFFIXES and not p.name.startswith(".")
-    )
-    if not any(p.suffix == ".safetensors" for p in files):
-        raise ModelDirError(f"--model {model_dir}: no *.safetensors weights (pickled .bin weights are not published)")
-    if not (model_dir / "config.json").is_file():
-        raise ModelDirError(f"--model {model_dir}: no config.json; is this a Hugging Face model directory?")
-    return files
-
-
-@dataclass(frozen=True)
-class PublishedVersion:
-    """A version in the learner's stores, ready to be announced by a signed head.
-
-    `kind` is "dense" (a keyframe) or "delta"; `delta_bytes` the delta from the previous version
-    (offered by keyframes too), `composite_bytes` the composite from the keyframe (None: none)."""
-
-    version: int
-    manifest_sha256: str
-    manifest_size: int
-    kind: str = "dense"
-    dense_bytes: int = 0
-    delta_bytes: int | None = None
-    composite_bytes: int | None = None
-    keyframe_reason: str | None = None
-
-    def report(self) -> dict[str, object]:
-        ratio = None if not self.delta_bytes else round(self.dense_bytes / self.delta_bytes, 2)
-        return {"kind": self.kind, "dense_bytes": self.dense_bytes, "delta_bytes": self.delta_bytes,
-                "composite_bytes": self.composite_bytes, "ratio": ratio, "keyframe_reason": self.keyframe_reason}
-
-
-@dataclass
-class DeltaBase:
-    """A published version's tensors (in the publish dtype), kept to encode the next deltas against."""
-
-    version: int
-    manifest_sha256: str
-    tensors: "dict[str, torch.Tensor]" = field(repr=False)
-
-
-def keyframe_due(version: int, keyframe: int | None, delta_bytes: int | None, dense_bytes: int,
-                 keyframe_every: int, max_ratio: float) -> str | None:
-    """Why `version` must be dense (a keyframe), or None: publish it as a delta.
-
-    "first": no base to delta against; "interval": `keyframe_every` versions since the last
-    keyframe; "ratio": the delta is not at most `max_ratio` of the dense weights.
-    """
-    if keyframe is None or delta_bytes is None:
-        return "first"
-    if version - keyframe >= keyframe_every:
-        return "interval"
-    if delta_bytes > max_ratio * dense_bytes:
-        return "ratio"
-    return None
+HISTORY = 16  # recent versions whose figures stats() reports
 
 
 class Publisher:
-    """Build and sign versions into the learner's own stores, which its chunk server serves.
-
-    >>> publisher = Publisher("demo", PolicyKey.load(key_path), chunks, versions, 8 << 20, peer_id)
-    >>> published = publisher.publish_dir(Path("tiny"), version=1)
-    >>> head = publisher.sign_head(published, ttl_s=30)           # re-signed at every announcement
+    """>>> publisher = Publisher(config.publish, keep=config.versions_kept, swarm="demo", key=key,
+    ...                       chunks=chunks, versions=versions, peer_id=overlay.peer_id)
+    >>> publisher.publish(trainer, version=1)
+    >>> publisher.publish(trainer, version=2)      # NonFiniteWeightsError: nothing signed
+    >>> head = publisher.head(ttl_s=30)
     """
 
-    def __init__(
-        self, swarm: str, key: PolicyKey, chunks: ChunkStore, versions: VersionStore,
-        chunk_size: int | Literal["auto"], peer_id: str, delta_chunk_size: int | None = None,
-    ):
-        self.swarm = swarm
-        self.key = key
-        self.chunks = chunks
+    def __init__(self, config: PublishConfig, *, keep: int, swarm: str, key: PolicyKey, chunks: ChunkStore,
+                 versions: VersionStore, peer_id: str):
+        from echo2swarm.train.rounding import publish_dtype
+
+        assert config.model is not None  # LearnerConfig refuses a learner without one
+        self.config = config
+        self.keep = keep
         self.versions = versions
-        self.chunk_setting = chunk_size  # "auto": sized to each version (`auto_chunk_size`) when it is published
-        self.delta_setting = delta_chunk_size
-        self._sized(0)
-        self.peer_id = peer_id
+        self.chunks = chunks
+        self.model_dir = Path(config.model)
+        self.dtype: torch.dtype = publish_dtype(config.dtype, self.model_dir)
+        self.writer = VersionWriter(swarm, key, chunks, versions, config.chunk_size, peer_id,
+                                    delta_chunk_size=config.delta_chunk_size)
+        # Weights come from the trainer; a sharded model's index no longer applies to the one file we publish.
+        self.extra_files: dict[str, Path | bytes] = {
+            p.name: p for p in model_files(self.model_dir)
+            if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json"}
+        self.published: PublishedVersion | None = None  # the head
+        self.previous: DeltaBase | None = None  # its tensors in the publish dtype: the next delta's base
+        self.keyframe: DeltaBase | None = None  # the last dense version's
+        self.chain_bytes = 0  # deltas published since that keyframe
+        self.history: deque[PublishedVersion] = deque(maxlen=HISTORY)
+        self.kinds: Counter[str] = Counter()  # versions published, by kind (dense / delta)
 
-    def _sized(self, total_bytes: int) -> None:
-        """Set this version's chunk size (`auto`: from its `total_bytes`) and its delta chunk size."""
-        setting = self.chunk_setting
-        self.chunk_size = setting if isinstance(setting, int) else auto_chunk_size(total_bytes)
-        # delta files in finer chunks (publish.delta_chunk_size), so they pipeline down the chains
-        self.delta_chunk_size = min(self.delta_setting or self.chunk_size, self.chunk_size)
+    def publish(self, trainer: Trainer, version: int) -> PublishedVersion:
+        """Sign the trainer's weights, cast to publish.dtype, as `version`: a keyframe or a delta.
 
-    def _add_file(self, name: str, source: Path | bytes, chunk_size: int | None = None) -> FileEntry:
-        digest, refs, size = hashlib.sha256(), [], 0
-        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as f:
-            while piece := f.read(chunk_size or self.chunk_size):
-                sha = sha256_hex(piece)
-                self.chunks.put(sha, piece)
-                refs.append(ChunkRef(sha256=sha, size=len(piece)))
-                digest.update(piece)
-                size += len(piece)
-        return FileEntry(name=name, size=size, sha256=digest.hexdigest(), chunks=refs)
-
-    @staticmethod
-    def _tensors(name: str, source: Path | bytes) -> list[TensorInfo]:
-        with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as f:
-            prefix = f.read(8)
-            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-            return safetensors_tensors(name, prefix + f.read(min(header_len, SAFETENSORS_MAX_HEADER)))
-
-    def publish_dir(self, model_dir: Path, version: int) -> PublishedVersion:
-        return self.publish_files({p.name: p for p in model_files(model_dir)}, version)
-
-    def publish_files(self, files: dict[str, Path | bytes], version: int) -> PublishedVersion:
-        """Publish named files (paths, or bytes such as freshly trained safetensors weights) as `version`."""
-        started = time.monotonic()
-        names = sorted(files)
-        self._sized(sum(f.stat().st_size if isinstance(f, Path) else len(f) for f in files.values()))
-        entries = [self._add_file(name, files[name]) for name in names]
-        tensors = [t for name in names if name.endswith(".safetensors") for t in self._tensors(name, files[name])]
-        manifest = Manifest(
-            swarm=self.swarm,
-            version=version,
-            created_ms=int(time.time() * 1000),
-            chunk_size=self.chunk_size,
-            files=entries,
-            tensors=tensors,
-        )
-        envelope = SignedManifest.sign(manifest, self.key).to_bytes()
-        self.versions.install(manifest, envelope, self.chunks)
-        logger.debug(
-            "published policy v%d: %d files, %d bytes in %d chunks, signed by %s (%.2f s)",
-            version, len(entries), manifest.total_bytes, sum(len(e.chunks) for e in entries),
-            self.key.public.fingerprint, time.monotonic() - started,
-        )
-        return PublishedVersion(version, sha256_hex(envelope), len(envelope))
-
-    def publish_state(
-        self, state: "dict[str, torch.Tensor]", extras: dict[str, Path | bytes], version: int, *,
-        previous: DeltaBase | None, keyframe: DeltaBase | None, keyframe_every: int, max_ratio: float,
-        chain_bytes: int = 0, composites: bool = True,
-    ) -> PublishedVersion:
-        """Publish trained tensors (in the publish dtype) as `version`: a keyframe or a delta.
-
-        `previous` is the last published version, `keyframe` the last dense one, `chain_bytes` the
-        sum of the deltas published since it (a composite from the keyframe is offered only when
-        it is smaller than that chain). Returns what was published, with its byte counts.
+        Raises NonFiniteWeightsError (nothing is written or signed) when a weight is not finite.
         """
-        from safetensors.torch import save as save_safetensors
-
-        from echo2swarm.policy.delta import encode_delta, tensor_sha256
-
-        started = time.monotonic()
-        dense = save_safetensors(state, metadata={"format": "pt"})
-        self._sized(len(dense) + sum(f.stat().st_size if isinstance(f, Path) else len(f)
-                                     for name, f in extras.items() if name != WEIGHTS_FILE))
-        primary = encode_delta(previous.tensors, state) if previous is not None else None
-        reason = keyframe_due(version, keyframe.version if keyframe else None,
-                              None if primary is None else len(primary), len(dense), keyframe_every, max_ratio)
-        header = self._tensors(WEIGHTS_FILE, dense)
-        tensors = [t.model_copy(update={"sha256": tensor_sha256(state[t.name])}) for t in header]
-        names = sorted(extras)
-        entries = [self._add_file(name, extras[name]) for name in names if name != WEIGHTS_FILE]
-        deltas: list[DeltaFile] = []
-        # keyframe_every = 1 means every version dense on the wire too: no delta to offer beside it
-        if primary is not None and previous is not None and len(primary) < len(dense) and keyframe_every > 1:
-            deltas.append(DeltaFile(base=BaseRef(version=previous.version, manifest_sha256=previous.manifest_sha256),
-                                    file=self._add_file(delta_file_name(previous.version), primary,
-                                                        self.delta_chunk_size)))
-        composite = None
-        if composites and reason is None and keyframe is not None and previous is not None \
-                and keyframe.version != previous.version:
-            blob = encode_delta(keyframe.tensors, state)
-            if len(blob) < chain_bytes + len(primary or b""):
-                composite = len(blob)
-                deltas.append(DeltaFile(base=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256),
-                                        file=self._add_file(delta_file_name(keyframe.version), blob,
-                                                            self.delta_chunk_size)))
-        if reason is not None:  # dense: the weights are a file of the version; deltas are alternatives
-            entries = sorted(entries + [self._add_file(WEIGHTS_FILE, dense)], key=lambda e: e.name)
-            manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000),
-                                chunk_size=self.chunk_size, files=entries, tensors=tensors, alternatives=deltas)
-        else:
-            assert keyframe is not None
-            manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000),
-                                chunk_size=self.chunk_size, files=entries, tensors=tensors,
-                                delta=deltas[0], alternatives=deltas[1:],
-                                keyframe=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256))
-        envelope = SignedManifest.sign(manifest, self.key).to_bytes()
-        self.versions.install(manifest, envelope, self.chunks,
-                              extra=None if manifest.delta is None else {WEIGHTS_FILE: dense})
-        published = PublishedVersion(
-            version, sha256_hex(envelope), len(envelope), kind="dense" if reason else "delta", dense_bytes=len(dense),
-            delta_bytes=None if primary is None else len(primary), composite_bytes=composite, keyframe_reason=reason,
+        config = self.config
+        state = trainer.weights_state(self.dtype, self.previous.tensors if self.previous else None, config.hold_ulps)
+        if self.published is None:  # the run's first version: after a restart, a delta on the store's last
+            self._load_bases(state)
+        published = self.writer.write_state(
+            state, self.extra_files, version, previous=self.previous, keyframe=self.keyframe,
+            keyframe_every=config.keyframe_every, max_ratio=config.delta_max_ratio, chain_bytes=self.chain_bytes,
+            composites=config.composites,
         )
-        logger.debug("published policy v%d (%s%s): dense %d bytes, delta %s, composite %s (%.2f s)", version,
-                     published.kind, f", {reason}" if reason else "", len(dense), published.delta_bytes, composite,
-                     time.monotonic() - started)
+        self.published = published
+        self.history.append(published)
+        self.kinds[published.kind] += 1
+        # A copy: on the CPU in the master dtype, the trainer's cast is the live parameters themselves,
+        # which the next step changes in place (the next delta would then be against itself).
+        self.previous = DeltaBase(published.version, published.manifest_sha256,
+                                  {name: t.clone() for name, t in state.items()})
+        if published.kind == "dense":
+            self.keyframe, self.chain_bytes = self.previous, 0
+        else:
+            self.chain_bytes += published.delta_bytes or 0
+        # The last keyframe with every version since stays: the paths followers catch up by.
+        assert self.keyframe is not None
+        collect_garbage(self.versions, self.chunks, self.keep, set(range(self.keyframe.version, version + 1)))
         return published
 
-    def sign_head(
-        self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None
-    ) -> HeadRecord:
-        """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it).
+    def rollback_weights(self) -> "dict[str, torch.Tensor]":
+        """The newest published version's tensors (publish dtype; finite, as they were checked when signed)."""
+        from safetensors.torch import load_file
 
-        It carries where followers reach us (chunk URL, multiaddrs), so no forged card can send
-        followers elsewhere.
-        """
-        now_ms = int(time.time() * 1000)
-        return HeadRecord(
-            swarm=self.swarm,
-            version=published.version,
-            manifest_sha256=published.manifest_sha256,
-            manifest_size=published.manifest_size,
-            publisher=self.peer_id,
-            published_ms=now_ms,
-            expires_ms=now_ms + int(ttl_s * 1000),
-            public_key=self.key.public.text,
-            chunk_url=chunk_url,
-            maddrs=list(maddrs or [])[:8],
-        ).signed(self.key)
+        if self.published is None:
+            raise RuntimeError("nothing published yet to roll back to")
+        if self.previous is not None and self.previous.version == self.published.version:
+            return self.previous.tensors
+        return load_file(str(self.versions.dir(self.published.version) / WEIGHTS_FILE))
+
+    def _load_bases(self, state: "dict[str, torch.Tensor]") -> None:
+        """After a restart: the last version in our store (and its keyframe) as delta bases, when its
+        weights have the same tensors and dtypes as `state`; otherwise the next version is a keyframe."""
+        from safetensors.torch import load_file
+
+        versions = self.versions
+        latest = versions.latest()
+        manifest = versions.manifest(latest) if latest is not None else None
+        if manifest is None or manifest.weights_file is None or any(t.sha256 is None for t in manifest.tensors):
+            return
+        keyframe_version = manifest.keyframe.version if manifest.keyframe is not None else manifest.version
+        bases = []
+        for v in (manifest.version, keyframe_version):
+            data = versions.manifest_bytes(v)
+            if data is None or not (versions.dir(v) / WEIGHTS_FILE).is_file():
+                return
+            tensors = load_file(str(versions.dir(v) / WEIGHTS_FILE))
+            if set(tensors) != set(state) or any(tensors[k].dtype != state[k].dtype for k in state):
+                return
+            bases.append(DeltaBase(v, sha256_hex(data), tensors))
+        self.previous, self.keyframe = bases
+        logger.info("delta base after restart: v%d (keyframe v%d)", self.previous.version, self.keyframe.version)
+
+    def head(self, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None) -> HeadRecord | None:
+        """The newest version's head, signed now (None before the first), naming where followers reach us."""
+        if self.published is None:
+            return None
+        return self.writer.sign_head(self.published, ttl_s, chunk_url, maddrs)
+
+    def card_versions(self) -> list[dict[str, Any]]:
+        """The card's `versions`: the newest few, as {version, kind, dense_bytes, delta_bytes}."""
+        return [{"version": p.version, "kind": p.kind, "dense_bytes": p.dense_bytes, "delta_bytes": p.delta_bytes}
+                for p in list(self.history)[-8:]]
+
+    def stats(self) -> dict[str, Any]:
+        """Per recent version: kind, dense / delta / composite bytes, ratio; the newest one's as gauges."""
+        out: dict[str, Any] = {"versions": {str(p.version): p.report() for p in self.history}}
+        if self.published is not None:
+            last = self.published.report()
+            out["publish"] = {"dense_bytes": last["dense_bytes"], "delta_bytes": last["delta_bytes"],
+                              "composite_bytes": last["composite_bytes"], "delta_ratio": last["ratio"],
+                              "kinds": dict(self.kinds)}
+        return out

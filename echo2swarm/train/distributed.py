@@ -15,7 +15,7 @@ gradients reduce-scattered by FSDP. The non-finite skip is global: every rank's 
 global gradient norm finite, or no rank steps.
 
 Rank 0 answers the trainer API the daemon uses (`step`, `weights_state`, `weights_bytes`,
-`load_weights`, `save_state`, `load_state`, `save_model_dir`, `publish_dtype`, `optimizer`); each
+`load_weights`, `save_state`, `load_state`, `save_model_dir`, `optimizer`: train/base.py's `Trainer`); each
 call first tells the other ranks what to do. Published weights are gathered to rank 0's CPU
 tensor by tensor (`get_model_state_dict(full_state_dict=True, cpu_offload=True)`): never the full
 model twice on a device. Back-pressure: rank 0's step waits for the slowest rank.

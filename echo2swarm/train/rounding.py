@@ -17,10 +17,28 @@ measure logprobs against exactly the published bytes.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 HOLDABLE = (torch.bfloat16, torch.float16)
 ROUND_TO_NEAREST = 0.5
+PUBLISHABLE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def publish_dtype(setting: str, model_dir: Path | None = None) -> torch.dtype:
+    """`publish.dtype` as a torch dtype: ``auto`` is the model directory's own (config.json's
+    ``dtype`` or ``torch_dtype``; float32 when it names none)."""
+    if setting == "auto":
+        config = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir is not None else {}
+        own = config.get("dtype") or config.get("torch_dtype")
+        setting = str(own).removeprefix("torch.") if own else "float32"
+    dtype = PUBLISHABLE.get(setting)
+    if dtype is None:
+        raise ValueError(f"publish.dtype: the model's dtype {setting!r} is not one we publish; "
+                         "set publish.dtype to bfloat16, float16 or float32")
+    return dtype
 
 
 def held_cast(master: torch.Tensor, previous: torch.Tensor | None, dtype: torch.dtype,

@@ -251,18 +251,6 @@ class GRPOTrainer(UpdatePath):
             "t_train_s": time.perf_counter() - started,
         }
 
-    def publish_dtype(self, setting: str) -> torch.dtype:
-        """`publish.dtype` as a torch dtype: ``auto`` is the model directory's own (config.json's
-        ``dtype``/``torch_dtype``; float32 when it names none)."""
-        if setting == "auto":
-            own = getattr(self.model.config, "dtype", None) or getattr(self.model.config, "torch_dtype", None)
-            setting = str(own).removeprefix("torch.") if own is not None else "float32"
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(setting)
-        if dtype is None:
-            raise ValueError(f"publish.dtype: the model's dtype {setting!r} is not one we publish; "
-                             "set publish.dtype to bfloat16, float16 or float32")
-        return dtype
-
     def weights_state(self, dtype: torch.dtype | None = None, hold_from: dict[str, torch.Tensor] | None = None,
                       hold_ulps: float = ROUND_TO_NEAREST) -> dict[str, torch.Tensor]:
         """The policy's tensors on the CPU, cast to ``dtype`` (None: the fp32 master weights).

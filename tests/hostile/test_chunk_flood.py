@@ -26,7 +26,7 @@ import pytest
 from helpers.swarm import LocalSwarm
 
 from echo2swarm.config.models import ChunkServerConfig
-from echo2swarm.learner.publisher import Publisher
+from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
@@ -102,8 +102,8 @@ def mid_fetch(tmp_path: Path, tiny_model_dir: Path) -> tuple[ChunkStore, Version
     """A store holding v1, and v2 being fetched: its manifest verified, one chunk still missing."""
     root = tmp_path / "peer"
     chunks, versions = ChunkStore(root), VersionStore(root)
-    publisher = Publisher("t", PolicyKey.generate(), chunks, versions, 64 * 1024, PEER_ID)
-    publisher.publish_dir(tiny_model_dir, 1)
+    writer = VersionWriter("t", PolicyKey.generate(), chunks, versions, 64 * 1024, PEER_ID)
+    writer.write_dir(tiny_model_dir, 1)
     missing = b"the chunk of v2 still on its way" * 64
     sha = hashlib.sha256(missing).hexdigest()
     inflight = InFlight()

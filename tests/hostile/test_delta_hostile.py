@@ -1,7 +1,7 @@
 """Hostile delta versions against a real relay daemon: a tampered delta chunk, a delta against the
 wrong base, and a learner-signed manifest whose tensor hash is wrong.
 
-The "learner" here runs in this process: a real DHT node (Overlay), the real Publisher with the
+The "learner" here runs in this process: a real DHT node (Overlay), the real VersionWriter with the
 pinned policy key (a compromised or buggy learner signs what it wants), and an HTTP chunk server
 that can flip the bytes of chunks it is told to. The relay is a separate daemon process that pins
 the key; what it installs, refuses, counts and serves is read from its /v1/info, its chunk server
@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 from helpers.swarm import LocalSwarm, http_json
 
-from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, Publisher, delta_file_name
+from echo2swarm.learner.versions import WEIGHTS_FILE, DeltaBase, VersionWriter, delta_file_name
 from echo2swarm.policy.delta import encode_delta, tensor_sha256
 from echo2swarm.policy.manifest import BaseRef, DeltaFile, Manifest, SignedManifest, sha256_hex
 from echo2swarm.policy.store import ChunkStore, VersionStore
@@ -58,7 +58,7 @@ def _states(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 class Learner:
-    """Publisher + stores + a chunk server that flips the chunks in `flip_once` the first time each is asked."""
+    """VersionWriter + stores + a chunk server that flips the chunks in `flip_once` the first time each is asked."""
 
     def __init__(self, root: Path, key: PolicyKey, swarm: str):
         self.key, self.swarm = key, swarm
@@ -77,7 +77,7 @@ class Learner:
 
         config = OverlayConfig(swarm=self.swarm, initial_peers=[bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         self.overlay = await Overlay.start(config)
-        self.publisher = Publisher(self.swarm, self.key, self.chunks, self.versions, CHUNK, self.overlay.peer_id)
+        self.writer = VersionWriter(self.swarm, self.key, self.chunks, self.versions, CHUNK, self.overlay.peer_id)
         app = web.Application()
         app.router.add_get("/v1/manifest/{version}", self._manifest)
         app.router.add_get("/v1/chunk/{sha256}", self._chunk)
@@ -115,15 +115,15 @@ class Learner:
         return web.Response(body=bytes(data))
 
     async def announce(self, version: int, manifest_sha256: str, size: int) -> None:
-        from echo2swarm.learner.publisher import PublishedVersion
+        from echo2swarm.learner.versions import PublishedVersion
 
-        head = self.publisher.sign_head(PublishedVersion(version, manifest_sha256, size), ttl_s=60 + version,
+        head = self.writer.sign_head(PublishedVersion(version, manifest_sha256, size), ttl_s=60 + version,
                                         chunk_url=self.url)
         assert await self.overlay.store_head(head)
 
     def publish(self, state: dict[str, torch.Tensor], version: int, previous: DeltaBase | None,
                 keyframe: DeltaBase | None) -> DeltaBase:
-        published = self.publisher.publish_state(state, {"config.json": b"{}"}, version, previous=previous,
+        published = self.writer.write_state(state, {"config.json": b"{}"}, version, previous=previous,
                                                  keyframe=keyframe, keyframe_every=10, max_ratio=0.9)
         return DeltaBase(version, published.manifest_sha256, state)
 
@@ -135,17 +135,17 @@ class Learner:
 
         dense = save(state, metadata={"format": "pt"})
         tensors = [t.model_copy(update={"sha256": tensor_sha256(state[t.name])})
-                   for t in self.publisher._tensors(WEIGHTS_FILE, dense)]
+                   for t in self.writer._tensors(WEIGHTS_FILE, dense)]
         if wrong_hash:
             tensors[0] = tensors[0].model_copy(update={"sha256": "0" * 64})
 
         def entry(base: DeltaBase, blob: bytes) -> DeltaFile:
             return DeltaFile(base=BaseRef(version=base.version, manifest_sha256=base.manifest_sha256),
-                             file=self.publisher._add_file(delta_file_name(base.version), blob))
+                             file=self.writer._add_file(delta_file_name(base.version), blob))
 
         primary = entry(*delta)
         manifest = Manifest(swarm=self.swarm, version=version, created_ms=int(time.time() * 1000), chunk_size=CHUNK,
-                            files=[self.publisher._add_file("config.json", b"{}")], tensors=tensors, delta=primary,
+                            files=[self.writer._add_file("config.json", b"{}")], tensors=tensors, delta=primary,
                             alternatives=[entry(*a) for a in alternatives],
                             keyframe=BaseRef(version=keyframe.version, manifest_sha256=keyframe.manifest_sha256))
         envelope = SignedManifest.sign(manifest, self.key).to_bytes()
@@ -312,9 +312,9 @@ def test_a_lying_head_long_poll_is_only_a_hint_and_asked_at_the_dht_pace(local_s
         assert v1.version == 1
 
         # A head for v9 signed by another key, answered at once to every long-poll.
-        from echo2swarm.learner.publisher import PublishedVersion
+        from echo2swarm.learner.versions import PublishedVersion
 
-        forged = Publisher(local_swarm.swarm, other, learner.chunks, learner.versions, CHUNK, learner.overlay.peer_id)
+        forged = VersionWriter(local_swarm.swarm, other, learner.chunks, learner.versions, CHUNK, learner.overlay.peer_id)
         learner.head_answer = forged.sign_head(PublishedVersion(9, "ab" * 32, 1000), ttl_s=60,
                                                chunk_url=learner.url).model_dump_json().encode()
         until(lambda: _info(relay)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 30,

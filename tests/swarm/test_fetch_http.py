@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from echo2swarm.config.models import ChunkServerConfig, FetchConfig
-from echo2swarm.learner.publisher import Publisher
+from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
 from echo2swarm.policy.sources import HttpSource, rotating
 from echo2swarm.policy.manifest import ManifestError
@@ -66,8 +66,8 @@ def published(tmp_path: Path, tiny_model_dir: Path):
     root = tmp_path / "learner"
     key = PolicyKey.generate()
     chunks, versions = ChunkStore(root), VersionStore(root)
-    publisher = Publisher("t", key, chunks, versions, CHUNK, PEER_ID)
-    head = publisher.sign_head(publisher.publish_dir(tiny_model_dir, 1), ttl_s=60)
+    writer = VersionWriter("t", key, chunks, versions, CHUNK, PEER_ID)
+    head = writer.sign_head(writer.write_dir(tiny_model_dir, 1), ttl_s=60)
     return key, chunks, versions, head
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from echo2swarm.config.models import ChunkServerConfig, FetchConfig, OverlayConfig
-from echo2swarm.learner.publisher import Publisher
+from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.streams import StreamError, open_frames, stream_name
 from echo2swarm.policy.fetcher import PolicyFetcher
@@ -36,8 +36,8 @@ def test_chunks_travel_over_libp2p_verified_and_at_the_upload_limit(tmp_path: Pa
         a, b = await _pair("p2p")
         try:
             chunks, versions = ChunkStore(tmp_path / "a"), VersionStore(tmp_path / "a")
-            publisher = Publisher("p2p", key, chunks, versions, 64 * 1024, a.peer_id)
-            head = publisher.sign_head(publisher.publish_dir(tiny_model_dir, 1), ttl_s=60)
+            writer = VersionWriter("p2p", key, chunks, versions, 64 * 1024, a.peer_id)
+            head = writer.sign_head(writer.write_dir(tiny_model_dir, 1), ttl_s=60)
             limit = 2 * 1024 * 1024
             service = ChunkService(ChunkServerConfig(), chunks, versions, RateLimiter(limit))
             await serve_p2p(a, service)

@@ -17,7 +17,7 @@ from echo2swarm.config.models import (
     PublishConfig,
     auto_chunk_size,
 )
-from echo2swarm.learner.publisher import Publisher
+from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.policy.manifest import MAX_CHUNKS, ChunkRef, FileEntry, Manifest, SignedManifest, verify_manifest
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.wire.signing import PolicyKey
@@ -72,16 +72,16 @@ def test_the_config_takes_auto_by_default_or_a_size():
 def test_the_publisher_sizes_each_version_with_auto(tmp_path: Path):
     key = PolicyKey.generate()
     chunks, versions = ChunkStore(tmp_path / "chunks"), VersionStore(tmp_path / "versions")
-    publisher = Publisher("s", key, chunks, versions, "auto", PEER_ID, delta_chunk_size=2**20)
+    writer = VersionWriter("s", key, chunks, versions, "auto", PEER_ID, delta_chunk_size=2**20)
     weights = bytes(range(256)) * (4 * 2**20 // 256 * 10)  # 40 MiB: 128 KiB chunks
-    published = publisher.publish_files({"weights.bin": weights, "config.json": b"{}"}, version=1)
+    published = writer.write_files({"weights.bin": weights, "config.json": b"{}"}, version=1)
     data = versions.manifest_bytes(1)
     assert data is not None
-    manifest = verify_manifest(data, publisher.sign_head(published, ttl_s=30), trusted=key.public, swarm="s")
-    assert manifest.chunk_size == 128 * 1024 == publisher.chunk_size
-    assert publisher.delta_chunk_size == 128 * 1024  # a delta is cut no coarser than the version's chunks
+    manifest = verify_manifest(data, writer.sign_head(published, ttl_s=30), trusted=key.public, swarm="s")
+    assert manifest.chunk_size == 128 * 1024 == writer.chunk_size
+    assert writer.delta_chunk_size == 128 * 1024  # a delta is cut no coarser than the version's chunks
     assert [len(f.chunks) for f in manifest.files] == [1, 320]
-    small = Publisher("s", key, chunks, versions, "auto", PEER_ID)
-    small.publish_files({"weights.bin": b"x" * 10**6}, version=2)
+    small = VersionWriter("s", key, chunks, versions, "auto", PEER_ID)
+    small.write_files({"weights.bin": b"x" * 10**6}, version=2)
     assert small.chunk_size == AUTO_CHUNK_MIN
 

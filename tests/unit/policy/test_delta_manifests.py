@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from echo2swarm.learner.publisher import WEIGHTS_FILE, DeltaBase, Publisher, keyframe_due
+from echo2swarm.learner.versions import WEIGHTS_FILE, DeltaBase, VersionWriter, keyframe_due
 from echo2swarm.policy.catchup import DeltaRefused, Linked, check_dense, choose_path, rebuild
 from echo2swarm.policy.delta import encode_delta, tensor_sha256
 from echo2swarm.policy.manifest import (
@@ -105,10 +105,10 @@ def published(tmp_path: Path):
     """v1..v7 with keyframes every 4 (v1, v5), as the learner publishes them."""
     key = PolicyKey.generate()
     chunks, versions = ChunkStore(tmp_path), VersionStore(tmp_path)
-    publisher = Publisher("s", key, chunks, versions, 64 * 1024, PEER_ID)
+    writer = VersionWriter("s", key, chunks, versions, 64 * 1024, PEER_ID)
     states, previous, keyframe, chain, kinds = _states(7), None, None, 0, {}
     for v, state in enumerate(states, start=1):
-        p = publisher.publish_state(state, {"config.json": b"{}"}, v, previous=previous, keyframe=keyframe,
+        p = writer.write_state(state, {"config.json": b"{}"}, v, previous=previous, keyframe=keyframe,
                                     keyframe_every=4, max_ratio=0.5, chain_bytes=chain)
         kinds[v] = p.kind
         previous = DeltaBase(v, p.manifest_sha256, state)

@@ -1,7 +1,7 @@
 """Head long-polls (`GET /v1/head?after=V&wait=S`): held until the learner's store installs a newer
 version whose plan is served, answered at the end of the wait otherwise, bounded by the waiting
 budget, and refused when malformed. A real ChunkServer on 127.0.0.1, a real VersionStore written
-by the real Publisher, aiohttp as the client."""
+by the real VersionWriter, aiohttp as the client."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from echo2swarm.config.models import ChunkServerConfig
-from echo2swarm.learner.publisher import Publisher
+from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.policy.server import HEAD_RECHECK_S, ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.wire.signing import PolicyKey
@@ -28,7 +28,7 @@ class Learner:
 
     def __init__(self, root: Path):
         self.chunks, self.versions = ChunkStore(root), VersionStore(root)
-        self.publisher = Publisher("s", PolicyKey.generate(), self.chunks, self.versions, 64 * 1024, PEER_ID)
+        self.writer = VersionWriter("s", PolicyKey.generate(), self.chunks, self.versions, 64 * 1024, PEER_ID)
         self.published: int | None = None
         self.plans: set[int] = set()
 
@@ -37,7 +37,7 @@ class Learner:
 
     def publish(self, version: int, plan: bool = True, out: bool = True) -> None:
         """Install `version` (the store wakes the long-polls), then make it the head (and plan it)."""
-        self.publisher.publish_files({"config.json": f'{{"v": {version}}}'.encode()}, version)
+        self.writer.write_files({"config.json": f'{{"v": {version}}}'.encode()}, version)
         if out:
             self.out(version, plan)
 
