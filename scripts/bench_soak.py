@@ -98,17 +98,18 @@ async def card_flood(bootstrap: str, swarm: str, stop: threading.Event, stats: d
 async def lease_hoarder(bootstrap: str, swarm: str, learner: str, stop: threading.Event, stats: dict[str, int]) -> None:
     from hivemind.p2p import P2P
 
-    from echo2swarm.overlay.rpc import call_unary, rpc_name
-    from echo2swarm.wire.work import Lease, LeaseRequest, LeaseWait
+    from echo2swarm.overlay.rpc import RpcStub
+    from echo2swarm.wire.surfaces import LEARNER_RPC
+    from echo2swarm.wire.work import Lease, LeaseRequest
 
     while not stop.is_set():
         p2p = await P2P.create(initial_peers=[bootstrap], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         stats["hoarder_identities"] += 1
+        stub = RpcStub(p2p, swarm, LEARNER_RPC, learner)
         try:
             while not stop.is_set():
                 try:
-                    reply = await call_unary(p2p, learner, rpc_name(swarm, "lease"), LeaseRequest(max_prompts=8),
-                                             (Lease, LeaseWait), 10)
+                    reply = await stub.lease(LeaseRequest(max_prompts=8), timeout=10)
                 except Exception:
                     stats["hoarder_errors"] += 1
                     await asyncio.sleep(1.0)

@@ -47,9 +47,10 @@ import aiohttp
 
 from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of, tcp_port, transport
-from echo2swarm.overlay.rpc import RpcError, call_unary, rpc_name, serve_unary
+from echo2swarm.overlay.rpc import RpcError, RpcStub, serve
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.reach import MAX_PROBE_PORTS, DialbackReply, DialbackRequest, Reachability
+from echo2swarm.wire.surfaces import DIALBACK_RPC
 
 
 class Overlay(Protocol):
@@ -129,7 +130,7 @@ class DialbackService:
         self._slots = asyncio.Semaphore(SLOTS)
         self.stats = {"answered": 0, "refused": 0}
 
-    async def handle(self, request: DialbackRequest, peer: str) -> DialbackReply:
+    async def rpc_dialback(self, request: DialbackRequest, peer: str) -> DialbackReply:
         now = time.monotonic()
         last = self._last.get(peer)
         if (last is not None and now - last < MIN_INTERVAL_S) or self._slots.locked():
@@ -156,7 +157,7 @@ class DialbackService:
 
 async def serve_dialback(overlay: Overlay) -> DialbackService:
     service = DialbackService(overlay)
-    await serve_unary(overlay.p2p, rpc_name(overlay.config.swarm, "dialback"), service.handle, DialbackRequest)
+    await serve(overlay.p2p, overlay.config.swarm, DIALBACK_RPC, service)
     return service
 
 
@@ -185,8 +186,8 @@ async def probe(overlay: Overlay, targets: list[str], ports: list[int], chunk_po
             continue
         sent = clock()
         try:
-            reply = await call_unary(overlay.p2p, target, rpc_name(overlay.config.swarm, "dialback"), request,
-                                     (DialbackReply,), timeout)
+            stub = RpcStub(overlay.p2p, overlay.config.swarm, DIALBACK_RPC, target)
+            reply = await stub.dialback(request, timeout=timeout)
         except RpcError as e:
             result.errors.append(f"{target[-8:]}: {e}")
             continue

@@ -1,20 +1,29 @@
-"""Typed RPC over libp2p streams: `rpc_<verb>` handlers with pydantic messages carried as msgpack.
+"""Typed RPC over libp2p streams: the surfaces declared in `wire/surfaces.py`, served and called.
+
+    server: await serve(p2p, swarm, LEARNER_RPC, intake)        # intake.rpc_lease, intake.rpc_submit
+    client: stub = RpcStub(p2p, swarm, LEARNER_RPC, learner_peer_id)
+            reply = await stub.lease(LeaseRequest(max_prompts=8), timeout=10)   # Lease | LeaseWait
+            result = await stub.submit([group, ...], timeout=10)                  # SubmitResult
+
+Both ends are derived from one declaration (`Rpc`: verb, request, replies, unary or client stream),
+so neither spells a verb or a reply type. `serve` refuses to start when a declared verb has no
+`rpc_<verb>` coroutine method, and answers an internal error when a handler returns an undeclared
+reply; a stub sends only the declared request type and accepts only the declared replies.
 
 hivemind's P2P speaks protobuf; instead of generating message classes we wrap msgpack bytes in
-protobuf's `BytesValue`, and validate them with the pydantic models in `wire/work.py`.
+protobuf's `BytesValue`, and validate them with the pydantic models in `wire/`.
 The caller's identity is the peer id libp2p authenticated for the stream (`context.remote_id`),
 never something in the message. Malformed or oversized messages get an error reply; the
 handler never raises into hivemind, so a garbage-sending peer costs us one log line.
-
-    server: await serve_unary(p2p, rpc_name("demo", "lease"), handle_lease, LeaseRequest)
-    client: reply = await call_unary(p2p, peer_id, rpc_name("demo", "lease"), request, (Lease, LeaseWait), timeout=10)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -24,6 +33,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from pydantic import BaseModel, ValidationError
 
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.surfaces import Rpc, Surface
 
 logger = get_logger(__name__)
 # hivemind's persistent connection carries messages up to 4 MiB; stay well inside it.
@@ -105,9 +115,12 @@ async def serve_unary(
     await p2p.add_protobuf_handler(name, _handle, BytesValue)
 
 
+STREAM_TIMEOUT_S = 120.0  # a client stream's server side: the longest wait for its next message
+
+
 async def serve_client_stream(
     p2p: P2P, name: str, handler: Callable[[AsyncIterator[M | RpcError], str], Awaitable[BaseModel]],
-    request_model: type[M], timeout: float = 120.0,
+    request_model: type[M], timeout: float = STREAM_TIMEOUT_S,
 ) -> None:
     """The handler gets each streamed message decoded, or the RpcError that message caused.
 
@@ -177,7 +190,7 @@ async def _until_eof(reader: asyncio.StreamReader) -> None:
         pass
 
 
-async def call_unary(
+async def _call_unary(
     p2p: P2P, peer_id: str, name: str, request: BaseModel, response_models: tuple[type[BaseModel], ...], timeout: float
 ) -> BaseModel:
     try:
@@ -193,9 +206,10 @@ async def call_unary(
     return _decode_any(wrapper, response_models)
 
 
-async def call_client_stream(
-    p2p: P2P, peer_id: str, name: str, requests: list[BaseModel], response_model: type[M], timeout: float
-) -> M:
+async def _call_client_stream(
+    p2p: P2P, peer_id: str, name: str, requests: Sequence[BaseModel], response_models: tuple[type[BaseModel], ...],
+    timeout: float,
+) -> BaseModel:
     """Send `requests` on one stream, read the one reply, then close (first: see serve_client_stream)."""
 
     async def exchange() -> BytesValue | None:
@@ -218,7 +232,7 @@ async def call_client_stream(
         raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]} failed: {type(e).__name__}: {e}") from None
     if wrapper is None:
         raise RpcError(f"{name.rsplit('/', 1)[-1]} to {peer_id[-8:]}: no reply")
-    return decode(wrapper, response_model)
+    return _decode_any(wrapper, response_models)
 
 
 def _decode_any(wrapper: BytesValue, models: tuple[type[BaseModel], ...]) -> BaseModel:
@@ -232,3 +246,78 @@ def _decode_any(wrapper: BytesValue, models: tuple[type[BaseModel], ...]) -> Bas
                 raise
             last = e
     raise last or RpcError("no reply model")
+
+
+# -- surfaces (wire/surfaces.py): both ends derived from one declaration ----------------------------
+async def serve(p2p: P2P, swarm: str, surface: Surface, servicer: object, *,
+                stream_timeout: float = STREAM_TIMEOUT_S) -> None:
+    """Answer every call of `surface` with `servicer.rpc_<verb>(request, peer)` (a client stream's
+    handler gets an async iterator of the decoded messages, or the RpcError each caused).
+
+    Every handler is checked before any is registered: a declared verb without an `rpc_<verb>`
+    coroutine method taking (request, peer) is a TypeError here, at start, not a peer's failed call.
+    """
+    handlers = {rpc.verb: _handler(surface, rpc, servicer) for rpc in surface}
+    for rpc in surface:
+        name, handler = rpc_name(swarm, rpc.verb), _declared_replies(rpc, handlers[rpc.verb])
+        if rpc.stream:
+            await serve_client_stream(p2p, name, handler, rpc.request, stream_timeout)
+        else:
+            await serve_unary(p2p, name, handler, rpc.request)
+
+
+def _handler(surface: Surface, rpc: Rpc, servicer: object) -> Callable[..., Awaitable[BaseModel]]:
+    what = f"{type(servicer).__name__} serves the {surface.name} surface but"
+    handler = getattr(servicer, rpc.handler, None)
+    if handler is None:
+        raise TypeError(f"{what} has no {rpc.handler} (wire/surfaces.py declares it)")
+    if not inspect.iscoroutinefunction(handler):
+        raise TypeError(f"{what} its {rpc.handler} is not an async method")
+    try:
+        inspect.signature(handler).bind(None, "peer")
+    except TypeError:
+        raise TypeError(f"{what} its {rpc.handler} does not take (request, peer)") from None
+    return handler
+
+
+def _declared_replies(rpc: Rpc, handler: Callable[..., Awaitable[BaseModel]]) -> Callable[..., Awaitable[BaseModel]]:
+    """A handler that may answer only the declared replies (anything else: an internal error reply)."""
+
+    async def checked(request: Any, peer: str) -> BaseModel:
+        reply = await handler(request, peer)
+        if not isinstance(reply, rpc.replies):
+            raise TypeError(f"{rpc.handler} answered {type(reply).__name__}, which wire/surfaces.py does not declare")
+        return reply
+
+    return checked
+
+
+class RpcStub:
+    """Calls `surface` on one peer: a method per declared verb, which sends the declared request
+    (a client stream: a sequence of them) and returns one of the declared replies, or raises RpcError.
+
+        stub = RpcStub(overlay.p2p, swarm, LEARNER_RPC, learner)
+        reply = await stub.lease(LeaseRequest(max_prompts=8), timeout=30)   # Lease | LeaseWait
+    """
+
+    def __init__(self, p2p: P2P, swarm: str, surface: Surface, peer_id: str):
+        self.p2p, self.swarm, self.surface, self.peer_id = p2p, swarm, surface, peer_id
+        for rpc in surface:
+            if hasattr(self, rpc.verb):
+                raise ValueError(f"the {surface.name} surface's verb {rpc.verb!r} shadows an RpcStub attribute")
+            setattr(self, rpc.verb, functools.partial(self.call, rpc))
+
+    async def call(self, rpc: Rpc, request: BaseModel | Sequence[BaseModel], *, timeout: float) -> BaseModel:
+        """One call of `rpc` (the verb methods are this, bound); `timeout` covers the whole call."""
+        if rpc not in self.surface.rpcs:
+            raise ValueError(f"rpc_{rpc.verb} is not on the {self.surface.name} surface")
+        if rpc.stream and isinstance(request, BaseModel):
+            raise TypeError(f"{rpc.handler} streams a sequence of {rpc.request.__name__}, not one message")
+        requests = list(request) if rpc.stream else [request]  # type: ignore[arg-type]
+        wrong = sorted({type(r).__name__ for r in requests if not isinstance(r, rpc.request)})
+        if wrong:
+            raise TypeError(f"{rpc.handler} sends {rpc.request.__name__}, not {', '.join(wrong)}")
+        name = rpc_name(self.swarm, rpc.verb)
+        if rpc.stream:
+            return await _call_client_stream(self.p2p, self.peer_id, name, requests, rpc.replies, timeout)
+        return await _call_unary(self.p2p, self.peer_id, name, requests[0], rpc.replies, timeout)

@@ -36,19 +36,19 @@ from typing import Any, TypeVar
 
 from echo2swarm.config.models import RolloutConfig
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.rpc import RpcError, call_client_stream, call_unary, rpc_name
+from echo2swarm.overlay.rpc import RpcError, RpcStub
 from echo2swarm.policy.follower import PolicyFollower
 from echo2swarm.rollout.refit import EngineWeights
 from echo2swarm.rollout.throughput import Throughput
 from echo2swarm.runtime.aio import backoff_s, wait_any
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.surfaces import LEARNER_RPC
 from echo2swarm.wire.work import (
     CompletionMsg,
     GroupSubmission,
     Lease,
     LeaseRequest,
     LeaseWait,
-    SubmitResult,
 )
 
 logger = get_logger(__name__)
@@ -100,6 +100,10 @@ class RolloutWorker:
             logger.info("the learner made this peer %s", "active" if active else "standby")
             self.announce()
 
+    def _learner(self, learner: str) -> RpcStub:
+        """The learner's surface (wire/surfaces.py) on `learner`: `.lease(request)`, `.submit(groups)`."""
+        return RpcStub(self.overlay.p2p, self.config.overlay.swarm, LEARNER_RPC, learner)
+
     def _note_error(self, message: str) -> None:
         self.stats["rpc_errors"] += 1
         if message != self._last_error:  # one line per distinct problem, not per retry
@@ -149,7 +153,6 @@ class RolloutWorker:
 
     async def _lease_loop(self, queue: asyncio.Queue[tuple[str, Lease, float]], slots: asyncio.Semaphore,
                           stop: asyncio.Event) -> None:
-        swarm = self.config.overlay.swarm
         cfg = self.config.worker
         while not stop.is_set():
             if not self.weights.ready.is_set():  # a lease taken now would expire while the engine starts
@@ -169,12 +172,11 @@ class RolloutWorker:
                 continue
             started = time.perf_counter()
             try:
-                reply = await call_unary(
-                    self.overlay.p2p, learner, rpc_name(swarm, "lease"),
+                reply = await self._learner(learner).lease(
                     # The newest version on disk, loaded or not: a lease that needs it loads it at once.
                     LeaseRequest(max_prompts=cfg.max_prompts, held_version=self.weights.runnable_version(),
                                  wait_s=cfg.lease_wait_s),
-                    (Lease, LeaseWait), cfg.rpc_timeout_s,
+                    timeout=cfg.rpc_timeout_s,
                 )
             except RpcError as e:
                 slots.release()
@@ -354,10 +356,7 @@ class RolloutWorker:
         cfg = self.config.worker
         started = time.perf_counter()
         try:
-            result = await call_client_stream(
-                self.overlay.p2p, learner, rpc_name(self.config.overlay.swarm, "submit"), groups, SubmitResult,
-                cfg.rpc_timeout_s,
-            )
+            result = await self._learner(learner).submit(groups, timeout=cfg.rpc_timeout_s)
         except RpcError as e:
             self.stats["groups_unsent"] += len(groups)  # generated, never delivered: counted, not silent
             self._note_error(f"submit failed: {e}")

@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from echo2swarm.overlay.rpc import call_client_stream, call_unary, rpc_name
+from echo2swarm.overlay.rpc import RpcStub
+from echo2swarm.wire.surfaces import LEARNER_RPC
 from echo2swarm.wire.work import (
     CompletionMsg,
     GroupSubmission,
@@ -30,6 +31,7 @@ class RogueWorker:
         self.overlay: Any = None
         self.p2p: Any = None
         self.peer_id = ""
+        self.stub: Any = None  # the learner's surface, as an honest worker calls it
 
     async def __aenter__(self) -> "RogueWorker":
         from echo2swarm.config.models import OverlayConfig
@@ -39,6 +41,7 @@ class RogueWorker:
         self.overlay = await Overlay.start(config)
         self.p2p = self.overlay.p2p
         self.peer_id = self.overlay.peer_id
+        self.stub = RpcStub(self.p2p, self.swarm, LEARNER_RPC, self.learner)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -56,15 +59,16 @@ class RogueWorker:
 
     async def lease(self, max_prompts: int = 8, held_version: int | None = None) -> Lease | LeaseWait:
         request = LeaseRequest(max_prompts=max_prompts, held_version=held_version)
-        reply = await call_unary(self.p2p, self.learner, rpc_name(self.swarm, "lease"), request, (Lease, LeaseWait), 10)
+        reply = await self.stub.lease(request, timeout=10)
         assert isinstance(reply, (Lease, LeaseWait))
         return reply
 
     async def submit(self, lease: Lease, version: int, craft: Craft) -> SubmitResult:
         groups = [GroupSubmission(lease_id=lease.lease_id, prompt_id=p.prompt_id, version=version, generation_s=0.1,
                                   completions=craft(p, lease.sampling.n)) for p in lease.prompts]
-        return await call_client_stream(self.p2p, self.learner, rpc_name(self.swarm, "submit"), groups,
-                                        SubmitResult, 10)
+        result = await self.stub.submit(groups, timeout=10)
+        assert isinstance(result, SubmitResult)
+        return result
 
     async def lease_until_granted(self, timeout: float, held_version: int | None = None) -> Lease | LeaseWait:
         """Ask until a lease comes (or the learner says done); the last reply either way."""

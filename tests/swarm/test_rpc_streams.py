@@ -10,13 +10,12 @@ import pytest
 from hivemind.p2p import P2P, PeerID
 from pydantic import BaseModel
 
-from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.rpc import RpcError, call_client_stream, rpc_name, serve_client_stream
+from echo2swarm.overlay.rpc import RpcError, RpcStub, rpc_name, serve
 from echo2swarm.overlay.streams import open_frames, serve_frames, stream_name
+from echo2swarm.wire.surfaces import Rpc, Surface
+from helpers.overlays import LOOPBACK_QUIC, overlay_pair
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
-QUIC = ["/ip4/127.0.0.1/udp/0/quic-v1"]
 
 
 class Item(BaseModel):
@@ -27,41 +26,40 @@ class Total(BaseModel):
     total: int
 
 
-async def _pair(swarm: str) -> tuple[Overlay, Overlay]:
-    a = await Overlay.start(OverlayConfig(swarm=swarm, new_swarm=True, host_maddrs=QUIC))
-    b = await Overlay.start(OverlayConfig(swarm=swarm, initial_peers=await a.visible_maddrs(), host_maddrs=QUIC))
-    return a, b
+ADDER = Surface("adder", (Rpc("add", Item, (Total,), stream=True),))
+
+
+class Adder:
+    async def rpc_add(self, items: AsyncIterator[Item | RpcError], peer: str) -> Total:
+        total = 0
+        async for item in items:
+            if isinstance(item, RpcError):
+                raise item
+            total += item.n
+        return Total(total=total)
 
 
 def test_client_stream_replies_and_frames_all_arrive_over_quic() -> None:
     async def scenario() -> tuple[list[object], list[object], str]:
-        a, b = await _pair("rpcq")
-        try:
-            async def add(items: AsyncIterator[Item | RpcError], peer: str) -> Total:
-                total = 0
-                async for item in items:
-                    if isinstance(item, RpcError):
-                        raise item
-                    total += item.n
-                return Total(total=total)
-
-            name = rpc_name("rpcq", "add")
-            await serve_client_stream(a.p2p, name, add, Item)
+        async with overlay_pair("rpcq", LOOPBACK_QUIC) as (a, b):
+            await serve(a.p2p, "rpcq", ADDER, Adder())
 
             async def echo(request: dict, peer: str, out) -> None:
                 await out.header(200, 3)
                 await out.write(b"abc")
 
             await serve_frames(a.p2p, stream_name("rpcq", "echo"), echo)
+            stub = RpcStub(b.p2p, "rpcq", ADDER, a.peer_id)
             sums = []
             for k in range(30):
-                reply = await call_client_stream(b.p2p, a.peer_id, name, [Item(n=k), Item(n=1)], Total, 10)
+                reply = await stub.add([Item(n=k), Item(n=1)], timeout=10)
                 sums.append(reply.total)
             frames = []
             for _ in range(30):
                 async with open_frames(b.p2p, a.peer_id, [], stream_name("rpcq", "echo"), {"op": "x"}, 10) as (h, r):
                     frames.append((h["status"], await r.readexactly(h["size"])))
             # A message whose length is over the limit: refused from its header, its body never read.
+            name = rpc_name("rpcq", "add")
             _, reader, writer = await b.p2p.call_binary_stream_handler(PeerID.from_base58(a.peer_id), name)
             writer.write(P2P.MESSAGE_MARKER + (10**9).to_bytes(P2P.HEADER_LEN, "big"))
             await writer.drain()
@@ -71,9 +69,6 @@ def test_client_stream_replies_and_frames_all_arrive_over_quic() -> None:
             writer.close()
             assert marker == P2P.MESSAGE_MARKER
             return sums, frames, refusal.decode(errors="replace")
-        finally:
-            await b.stop()
-            await a.stop()
 
     sums, frames, refusal = asyncio.run(scenario())
     assert sums == [k + 1 for k in range(30)]

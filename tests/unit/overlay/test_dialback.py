@@ -48,9 +48,9 @@ def test_dials_the_observed_ip_at_the_asked_ports_once_per_interval() -> None:
         closed.bind(("127.0.0.1", 0))  # bound, not listening: refuses
         open_port, closed_port = listening.getsockname()[1], closed.getsockname()[1]
         service = DialbackService(_Overlay(["/ip4/127.0.0.1/tcp/50000"]))  # type: ignore[arg-type]
-        reply = asyncio.run(service.handle(DialbackRequest(ports=[open_port, closed_port]), CALLER))
+        reply = asyncio.run(service.rpc_dialback(DialbackRequest(ports=[open_port, closed_port]), CALLER))
         assert reply.observed == "127.0.0.1" and reply.reached == [open_port] and reply.refused is None
-        again = asyncio.run(service.handle(DialbackRequest(ports=[open_port]), CALLER))
+        again = asyncio.run(service.rpc_dialback(DialbackRequest(ports=[open_port]), CALLER))
         assert again.refused and f"{MIN_INTERVAL_S:g} s" in again.refused and again.reached == []
         assert service.stats == {"answered": 1, "refused": 1}
 
@@ -58,5 +58,5 @@ def test_dials_the_observed_ip_at_the_asked_ports_once_per_interval() -> None:
 def test_a_caller_seen_only_through_a_relay_gets_no_dials() -> None:
     circuit = "/ip4/11.0.0.11/tcp/4001/p2p/12D3KooWRDEWU4MwWfpwGiz9arVpPohbq64LFaUqci9WMZvNRqVU/p2p-circuit"
     service = DialbackService(_Overlay([circuit]))  # type: ignore[arg-type]
-    reply = asyncio.run(service.handle(DialbackRequest(ports=[1], chunk_port=2), CALLER))
+    reply = asyncio.run(service.rpc_dialback(DialbackRequest(ports=[1], chunk_port=2), CALLER))
     assert reply.observed is None and reply.relayed and reply.reached == [] and reply.chunk_ok is None
