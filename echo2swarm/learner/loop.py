@@ -38,7 +38,7 @@ from echo2swarm.learner.metrics import MetricsLog
 from echo2swarm.learner.publisher import Publisher
 from echo2swarm.learner.versions import PublishedVersion
 from echo2swarm.overlay.node import Overlay
-from echo2swarm.overlay.rpc import rpc_name, serve_client_stream, serve_unary
+from echo2swarm.overlay.rpc import serve
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
@@ -47,7 +47,7 @@ from echo2swarm.train.group import Group
 from echo2swarm.train.verify import NonFiniteWeightsError
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PolicyKey
-from echo2swarm.wire.work import GroupSubmission, LeaseRequest
+from echo2swarm.wire.surfaces import LEARNER_RPC
 
 logger = get_logger(__name__)
 RECENT_REWARDS = 10  # steps whose mean reward train.reward_target is compared with
@@ -129,9 +129,7 @@ class Learner:
             version=self.version, cursor=cursor, requeue=requeue, gate=self.activation, head_json=self._head_json(),
             ledger=self.ledger,
         )
-        p2p, swarm = self.overlay.p2p, self.config.overlay.swarm
-        await serve_unary(p2p, rpc_name(swarm, "lease"), self.intake.rpc_lease, LeaseRequest)
-        await serve_client_stream(p2p, rpc_name(swarm, "submit"), self.intake.rpc_submit, GroupSubmission)
+        await serve(self.overlay.p2p, self.config.overlay.swarm, LEARNER_RPC, self.intake)  # rpc_lease, rpc_submit
         self.state = "ready"
         logger.info("policy key %s; followers pin it with --trust %s", self.key.public.fingerprint, self.key.public.text)
 

@@ -146,9 +146,6 @@ TRANSPORT = ROOT / "overlay" / "rpc.py"
 # What takes a verb or reply types by hand; only the transport calls these, with a declared Rpc's fields.
 LOW_LEVEL = {"rpc_name", "serve_unary", "serve_client_stream", "_call_unary", "_call_client_stream",
              "add_protobuf_handler", "call_protobuf_handler"}
-# Serves the learner's surface by hand until its rewrite calls `serve(p2p, swarm, LEARNER_RPC, intake)`;
-# then this entry goes (the test fails while it is stale).
-UNTIL_WIRED = {"echo2swarm/daemon/learner_service.py"}
 
 
 def _calls(path: Path, names: set[str]) -> list[str]:
@@ -165,7 +162,6 @@ def _calls(path: Path, names: set[str]) -> list[str]:
 def test_only_the_declaration_spells_verbs_and_reply_types() -> None:
     sources = [*ROOT.rglob("*.py"), *(REPO / "scripts").glob("*.py"), *(REPO / "tests" / "helpers").glob("*.py")]
     by_hand = [c for path in sources if path != TRANSPORT for c in _calls(path, LOW_LEVEL)]
-    assert {c.split(":")[0] for c in by_hand} - UNTIL_WIRED == set(), by_hand
-    assert UNTIL_WIRED <= {c.split(":")[0] for c in by_hand}, "the learner serves its surface now: drop UNTIL_WIRED"
+    assert by_hand == []
     declared = [c for path in sources if path != DECLARATION for c in _calls(path, {"Rpc", "Surface"})]
     assert declared == []
