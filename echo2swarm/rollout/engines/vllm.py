@@ -44,7 +44,7 @@ from types import ModuleType
 from typing import Any
 
 from echo2swarm.rollout.engines import vllm_worker as in_worker
-from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -204,10 +204,8 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        encoded: list[list[int]] = self.tokenizer(list(prompts))["input_ids"]
+        encoded = encode_prompts(self.tokenizer, prompts)
         for index, ids in enumerate(encoded):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
             if len(ids) + 1 > self._max_model_len:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens; the engine's max_model_len is {self._max_model_len}"
