@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from echo2swarm.config.loading import AnyDaemonConfig
 from echo2swarm.config.models import LearnerConfig, RolloutConfig
+from echo2swarm.policy.store import learner_keep_versions
 from echo2swarm.wire.records import CARD_CLOCK_SKEW_S
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -72,9 +73,9 @@ def check_ports(config: AnyDaemonConfig) -> list[Check]:
 
 
 def check_p2pd_binary() -> Check:
-    from importlib.resources import files
+    from echo2swarm.overlay.node import p2pd_binary
 
-    path = Path(str(files("hivemind.hivemind_cli") / "p2pd"))
+    path = p2pd_binary()
     if not path.is_file():
         return Check("p2pd binary", "fail", f"{path} is missing",
                      "reinstall hivemind (pip install --force-reinstall hivemind)")
@@ -95,7 +96,8 @@ def check_disk(config: AnyDaemonConfig) -> Check:
         model = Path(config.publish.model)
         size = sum(p.stat().st_size for p in model.rglob("*") if p.is_file()) if model.is_dir() else 0
         # the published versions kept, checkpoints (weights + optimizer ~3x), the final model
-        need = max(need, size * (config.store.keep_versions + config.train.staleness + 4 + 3 * config.train.keep_checkpoints + 1))
+        kept = learner_keep_versions(config.store.keep_versions, config.train.staleness)
+        need = max(need, size * (kept + 3 * config.train.keep_checkpoints + 1))
         detail += f"; the model is {size / GiB:.2f} GiB, a run keeps about {need / GiB:.1f} GiB"
     if free < need:
         return Check("disk", "fail", detail, f"free space or point --state-dir at a larger disk (need ~{need / GiB:.1f} GiB)")
@@ -150,10 +152,8 @@ async def _serve_info(host: str, port: int, peer_id: str) -> tuple[Any, int]:
 
 async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s: float = 0.0) -> list[Check]:
     """p2pd, the initial peers, reachability, chunk server, clock skew (needs the network)."""
-    from echo2swarm.overlay.addresses import dial_addrs
     from echo2swarm.overlay.node import BootstrapError, Overlay
     from echo2swarm.overlay.reachability import peer_id_of, probe
-    from hivemind.p2p import PeerID
 
     out: list[Check] = []
     overlay_config = config.overlay.model_copy(update={"initial_peers": [], "new_swarm": True})
@@ -176,8 +176,7 @@ async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s:
             peer = peer_id_of(addr)
             try:
                 assert peer is not None
-                await asyncio.wait_for(overlay.p2p._client.connect(PeerID.from_base58(peer), dial_addrs([addr])),
-                                       timeout)
+                await overlay.connect(peer, [addr], timeout)
                 answered.append(peer)
                 out.append(Check("initial peer", "ok", f"{addr} answers"))
             except Exception as e:

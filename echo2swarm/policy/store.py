@@ -272,6 +272,17 @@ class Assembly:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+# Versions a learner keeps beyond its staleness window: a slow follower may still be fetching one,
+# and verification's exact check reads a behaviour version's weights back from the store.
+LEARNER_EXTRA_VERSIONS = 4
+
+
+def learner_keep_versions(keep_versions: int, staleness: int) -> int:
+    """How many of its newest versions a learner keeps on disk: `store.keep_versions`, and at least
+    the staleness window S plus `LEARNER_EXTRA_VERSIONS` (the keyframe chain is kept besides)."""
+    return max(keep_versions, staleness + LEARNER_EXTRA_VERSIONS)
+
+
 def collect_garbage(versions: VersionStore, chunks: ChunkStore, keep: int, in_use: Collection[int] = ()) -> list[int]:
     """Keep the newest `keep` versions, the versions in `in_use`, and the chunks they reference;
     returns the versions removed.

@@ -8,7 +8,14 @@ import pytest
 
 from echo2swarm.policy.manifest import Manifest, SignedManifest, file_entry, sha256_hex
 from echo2swarm.wire.signing import PolicyKey
-from echo2swarm.policy.store import ChunkHashError, ChunkStore, VersionStore, collect_garbage
+from echo2swarm.policy.store import (
+    LEARNER_EXTRA_VERSIONS,
+    ChunkHashError,
+    ChunkStore,
+    VersionStore,
+    collect_garbage,
+    learner_keep_versions,
+)
 
 CHUNK = 4
 FILES = {"model.safetensors": b"0123456789abcdef0123", "config.json": b'{"a": 1}', "empty.txt": b""}
@@ -233,3 +240,8 @@ def test_garbage_collection_keeps_the_newest_versions_and_those_in_use(
     assert collect_garbage(versions, chunks, keep=2) == [2]
     assert versions.versions() == [4, 5] and not versions.dir(2).exists()
     assert collect_garbage(versions, chunks, keep=2, in_use={4, 5}) == []
+
+
+def test_a_learner_keeps_its_staleness_window_and_four_more_versions() -> None:
+    assert learner_keep_versions(keep_versions=2, staleness=1) == 1 + LEARNER_EXTRA_VERSIONS == 5
+    assert learner_keep_versions(keep_versions=12, staleness=1) == 12
