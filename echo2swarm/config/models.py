@@ -21,6 +21,8 @@ from echo2swarm.config.units import parse_bytes
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
 _SWARM_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MiB = 1024 * 1024
+# Manifests a follower walks back from a target at most (policy/catchup.py): a keyframe period is no longer.
+MAX_KEYFRAME_EVERY = 64
 
 
 class StrictModel(BaseModel):
@@ -387,7 +389,7 @@ class PublishConfig(StrictModel):
         "ulps away (0.5: round to nearest). Fewer delta bytes, more lag: operations.md, 'Delta versions'.",
     )
     keyframe_every: int = Field(
-        10, ge=1, le=64,
+        10, ge=1, le=MAX_KEYFRAME_EVERY,
         description="A dense version (keyframe) every this many versions, deltas between (1: all dense). At most "
         "64: a follower walks back at most 64 manifests to find a path.",
     )

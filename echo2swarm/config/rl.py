@@ -7,12 +7,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from echo2swarm.control.activation import DEFAULT_HYSTERESIS
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 from echo2swarm.runtime.devices import check_cpus, check_device_name
+from echo2swarm.wire.work import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, MAX_PROMPTS_PER_LEASE
 
 # Checked for spelling here (no torch import); whether the CUDA device exists is checked at
 # daemon preflight and again when the trainer or engine is built.
 Device = Annotated[str, AfterValidator(check_device_name)]
+
+# Defaults the engines' own constructors take too (rollout/engines/hf.py, vllm.py): stated once, here.
+DEFAULT_MAX_BATCH_SEQUENCES = 256
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 
@@ -34,8 +40,8 @@ class TrainConfig(_Section):
     )
     publish_every: int = Field(DEFAULT_PUBLISH_EVERY, ge=1, description="kappa: publish a new policy version every this many steps.")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="Groups (prompts) per step.")
-    group_size: int = Field(8, ge=2, le=256, description="G: completions per prompt.")
-    max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length limit, in tokens.")
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="G: completions per prompt.")
+    max_new_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length limit, in tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature on rollout peers.")
     top_p: float = Field(
         1.0, gt=0, le=1, description="Nucleus sampling on rollout peers; their behaviour logprobs are renormalised "
@@ -154,7 +160,7 @@ class TrainConfig(_Section):
 class LeaseConfig(_Section):
     """How the learner hands out work."""
 
-    max_prompts: int = Field(8, ge=1, le=256, description="Prompts in one lease at most.")
+    max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE, description="Prompts in one lease at most.")
     timeout_s: float = Field(60.0, gt=0, description="Seconds before an unfinished lease is re-issued to someone else.")
     wait_retry_s: float = Field(0.05, gt=0, le=60, description="Back-off a peer is told when no work is available.")
     max_hold_s: float = Field(
@@ -224,7 +230,7 @@ class VLLMOptions(_Section):
         None, gt=0, description="KV cache size in GiB. None: gpu_memory_utilization on GPUs, 1 GiB on CPUs."
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may take when kv_cache_gib is None (GPUs only)."
+        DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1, description="Fraction of GPU memory vLLM may take when kv_cache_gib is None (GPUs only)."
     )
     max_model_len: int | None = Field(
         None, ge=2, description="Longest prompt + completion in tokens. None: the model's max_position_embeddings."
@@ -246,7 +252,7 @@ class EngineConfig(_Section):
         "auto", description="Torch device of the transformers engine: auto (cuda when visible, else cpu), cpu, cuda "
         "or cuda:N. vLLM picks its own device and ignores this.",
     )
-    max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
+    max_batch_sequences: int = Field(DEFAULT_MAX_BATCH_SEQUENCES, ge=1, description="Sequences generated in one batch at most.")
     isolate: bool = Field(
         True, description="Run the engine in a process of its own, so generation never shares the GIL with the "
         "daemon's event loop (serving chunks, RPCs, the DHT). false: in a thread of the daemon.",
@@ -276,7 +282,7 @@ class EngineConfig(_Section):
 class WorkerConfig(_Section):
     """How a rollout peer takes leases."""
 
-    max_prompts: int = Field(8, ge=1, le=256, description="Prompts asked for per lease.")
+    max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE, description="Prompts asked for per lease.")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Seconds for one lease or submit call.")
     idle_retry_s: float = Field(1.0, gt=0, description="Seconds between attempts while no learner is reachable.")
     lease_wait_s: float = Field(
@@ -298,9 +304,9 @@ class WorkerConfig(_Section):
         "learner can plan with it before the first lease.",
     )
     calibration_prompts: int = Field(4, ge=1, le=256, description="Prompts in the calibration batch.")
-    calibration_group_size: int = Field(8, ge=1, le=256, description="Completions per calibration prompt "
+    calibration_group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="Completions per calibration prompt "
                                         "(until a lease shows the task's own group size).")
-    calibration_max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length of the calibration batch "
+    calibration_max_new_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length of the calibration batch "
                                             "(until a lease shows the task's own).")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest lease in the rollouts/s average.")
     max_refit_share: float = Field(
@@ -325,7 +331,7 @@ class ActivationConfig(_Section):
                           "off: every peer gets leases.")
     gamma: float = Field(DEFAULT_GAMMA, ge=1, le=10, description="Margin: active peers must give gamma * R / T_train rollouts/s.")
     hysteresis: float = Field(
-        0.1, ge=0, lt=1,
+        DEFAULT_HYSTERESIS, ge=0, lt=1,
         description="Fraction: the active set is kept while it gives >= (1 - hysteresis) of the floor and no plan "
         "is cheaper by more than this fraction, so peers don't flap.",
     )

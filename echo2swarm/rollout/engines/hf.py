@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from echo2swarm.config.rl import DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.models.kv_cache import kv_cache
 from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.devices import resolve_device
@@ -74,7 +75,7 @@ class TransformersEngine:
         *,
         device: str = "cpu",
         threads: int | None = None,
-        max_batch_sequences: int = 256,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         dtype: torch.dtype | None = None,
     ):
         """

@@ -43,6 +43,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from echo2swarm.config.rl import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.rollout.engines import vllm_worker as in_worker
 from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.logging import get_logger
@@ -111,10 +112,10 @@ class VLLMEngine:
         model_dir: Path,
         *,
         threads: int | None = None,
-        max_batch_sequences: int = 256,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         dtype: str = "auto",
         kv_cache_gib: float | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
         block_size: int | None = None,
