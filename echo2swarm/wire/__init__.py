@@ -9,7 +9,7 @@
 
 What a version is made of lives with the code that makes and checks it, in `policy/`: the signed
 manifest (`policy/manifest.py`), the broadcast plan (`policy/broadcast_plan.py`) and the delta
-format (`policy/delta.py`); only the policy plane reads them. Nothing here does I/O. It sits below
-the overlay and every plane, so neither side of an exchange imports the other's package to learn
-the shape of a message.
+format (`policy/delta.py`); only the policy plane and the learner's publisher use them. Nothing
+here does I/O. It sits below the overlay and every plane, so neither side of an exchange imports
+the other's package to learn the shape of a message.
 """
