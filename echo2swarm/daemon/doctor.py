@@ -10,7 +10,6 @@ so "reachable" means what it will mean for the daemon.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
