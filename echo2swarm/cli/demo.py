@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from echo2swarm.cli._common import warmup_options
+from echo2swarm.control.capacity import DEFAULT_STALENESS
 from echo2swarm.rollout.engines.base import ENGINE_KINDS
 
 
@@ -18,7 +19,7 @@ from echo2swarm.rollout.engines.base import ENGINE_KINDS
               help="What the tiny model learns: two-number addition, or fold/call/raise in no-limit hold'em spots.")
 @click.option("--rollout-peers", type=click.IntRange(1, 16), default=2, show_default=True)
 @click.option("--steps", type=click.IntRange(1), default=700, show_default=True, help="GRPO steps.")
-@click.option("--staleness", type=click.IntRange(0), default=1, show_default=True,
+@click.option("--staleness", type=click.IntRange(0), default=DEFAULT_STALENESS, show_default=True,
               help="S: rollouts of version x may train step t only if t - x <= S (0 = on-policy).")
 @click.option("--engine", type=click.Choice(ENGINE_KINDS), default="auto", show_default=True,
               help="Rollout peers' engine; auto picks vllm when it imports, else transformers.")

@@ -21,8 +21,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from echo2swarm.cli._common import WARMUP_ACCURACY, WARMUP_STEPS
+from echo2swarm.config.rl import TrainConfig
 from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
+
+_TRAIN = TrainConfig()  # the learner's defaults, where the demo keeps them
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class DemoTask:
     """The warm-up's default target (greedy score on train prompts); None: run every step."""
     options: dict[str, str] = field(default_factory=dict)
     """``[train] task_options``, for the warm-up and the greedy score too."""
-    lr: float = 3e-4
+    lr: float = _TRAIN.lr
     """The learner's AdamW lr."""
 
 
@@ -68,12 +71,12 @@ class DemoOptions:
     rollout_peers: int = 2
     swarm: str = "demo"
     steps: int = 700
-    staleness: int = 1
+    staleness: int = _TRAIN.staleness
     engine: str = "auto"
     warmup_steps: int = WARMUP_STEPS
     warmup_accuracy: float | None = WARMUP_ACCURACY
-    prompts_per_step: int = 16
-    group_size: int = 8
+    prompts_per_step: int = _TRAIN.prompts_per_step
+    group_size: int = _TRAIN.group_size
     reward_target: float | None = None
     timeout: float = 900.0
     threads: int = 1

@@ -32,9 +32,8 @@ class MetricsConfig(BaseModel):
 
     sinks: list[Sink] = Field(
         default_factory=lambda: ["jsonl"],
-        description="Where each step's metrics go: jsonl (run_dir/metrics.jsonl), tensorboard (event files), "
-        "wandb (Weights & Biases; needs the `wandb` extra). jsonl is always written, listed or not: it is the "
-        "source of truth the demo, the live page and the benchmarks read.",
+        description="Where each step's metrics go: jsonl (run_dir/metrics.jsonl, written whether listed or not: "
+        "what the demo, live page and benchmarks read), tensorboard, wandb (the `wandb` extra).",
     )
     tensorboard_dir: Path | None = Field(
         None, description="Directory of the TensorBoard event files. None: <run_dir>/tensorboard.",

@@ -21,6 +21,8 @@ from echo2swarm.config.units import parse_bytes
 Role = Literal["learner", "rollout", "relay", "bootstrap"]
 _SWARM_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MiB = 1024 * 1024
+# Manifests a follower walks back from a target at most (policy/catchup.py): a keyframe period is no longer.
+MAX_KEYFRAME_EVERY = 64
 
 
 class StrictModel(BaseModel):
@@ -39,9 +41,8 @@ class OverlayConfig(StrictModel):
     new_swarm: bool = Field(False, description="Start a new swarm instead of joining one (only with no initial_peers).")
     host_maddrs: list[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"],
-        description="Multiaddrs to listen on; port 0 picks a free port. QUIC (`/udp/N/quic-v1`) beside TCP is what "
-        "lets two peers behind NAT connect directly (hole punching; docs/operations.md 'Behind NAT'): leave it "
-        "out only where UDP is blocked.",
+        description="Multiaddrs to listen on; port 0 picks a free port. Keep QUIC (`/udp/N/quic-v1`) beside TCP "
+        "unless UDP is blocked: peers behind NAT punch holes over it (operations.md, 'Behind NAT').",
     )
     announce_maddrs: list[str] = Field(
         default_factory=list, description="Public multiaddrs to advertise instead of the listen addresses (explicit ports)."
@@ -56,9 +57,8 @@ class OverlayConfig(StrictModel):
     use_relay: bool = Field(True, description="Allow connections through libp2p circuit relays.")
     use_auto_relay: bool = Field(
         True,
-        description="When libp2p's AutoNAT finds this peer unreachable (behind NAT), reserve a slot on a circuit "
-        "relay (the relays in `relays`, else the --initial-peers) and advertise the /p2p-circuit address. "
-        "Public peers are unaffected. False: never reserve.",
+        description="Behind NAT, reserve a slot on a circuit relay (`relays`, else the initial peers) and advertise "
+        "its /p2p-circuit address (operations.md, 'Behind NAT'). False: never reserve.",
     )
     relays: list[str] = Field(
         default_factory=list,
@@ -168,9 +168,8 @@ class ChunkServerConfig(StrictModel):
     )
     max_connections_per_client: int = Field(
         32, ge=1,
-        description="Open HTTP connections from one IP address (libp2p: requests being answered for one peer id) "
-        "at most. A connection past it is answered once (429 for a chunk request) and closed; past twice it, "
-        "closed at once. Default: 32, at most half of max_connections.",
+        description="Open HTTP connections from one IP address (libp2p: requests being answered for one peer id) at "
+        "most; past it, 429 (protocol.md §6). Default: 32, at most half of max_connections.",
     )
     control_slots: int = Field(
         16, ge=1, le=4096,
@@ -280,10 +279,8 @@ class FetchConfig(StrictModel):
     head_poll_s: float = Field(2.0, gt=0, description="Seconds between looks at the learner's head record.")
     head_wait_s: float = Field(
         10.0, ge=0, le=300,
-        description="Seconds a follower asks the learner's chunk server to hold its head request until a newer "
-        "head is out (long-poll: new versions are seen at once instead of at the next DHT read; the server "
-        "holds it at most chunk_server.wait_s). 0: no long-poll, heads come from the DHT every head_poll_s "
-        "(and from lease replies).",
+        description="Seconds the learner's chunk server is asked to hold a head request until a newer head is out "
+        "(long-poll; at most its chunk_server.wait_s). 0: heads from the DHT and lease replies only.",
     )
     holders_refresh_s: float = Field(
         2.0, ge=0.2, le=60, description="Seconds between reads of the peer cards (who holds what) during a fetch; "
@@ -291,10 +288,8 @@ class FetchConfig(StrictModel):
     )
     delta_order_items: int = Field(
         2**27, ge=0, le=2**40,
-        description="Largest held version, in weight items (parameters), whose delta visiting orders a follower "
-        "keeps, so that rebuilding a delta skips the sorts that dominate it (policy/orders.py): computed at idle "
-        "priority after a dense install, then advanced by each rebuild. Costs 4 bytes of RAM per item (2**27: "
-        "512 MiB at most). 0: never; every rebuild then sorts on the critical path.",
+        description="Largest held version, in parameters, whose delta visiting orders are kept (4 bytes each; "
+        "2**27: 512 MiB) so that rebuilds skip their sorts (operations.md, 'Delta versions'). 0: never.",
     )
     manifest_timeout_s: float = Field(15.0, gt=0, description="Seconds to fetch one manifest.")
     chunk_timeout_s: float = Field(120.0, gt=0, description="Seconds to fetch one chunk from one source.")
@@ -313,9 +308,8 @@ class FetchConfig(StrictModel):
     retry_backoff_s: float = Field(1.0, ge=0, description="Base of the exponential back-off after a failed version fetch.")
     min_rate_bps: int = Field(
         8 * 1024, ge=0, le=10**12,
-        description="Slowest transfer, in bytes/s ('8KiB' accepted), a source may keep up once a body has started "
-        "and min_rate_grace_s has passed: slower, it is cut off mid-transfer and banned (ban_s). 0: no minimum. "
-        "The default lets a peer capped at 128 KiB/s serve all 16 of its upload slots at once.",
+        description="Slowest transfer a source may keep up after min_rate_grace_s, in bytes/s ('8KiB' accepted); "
+        "slower, it is cut off and banned for ban_s (operations.md, 'Source bans'). 0: no minimum.",
     )
     min_rate_grace_s: float = Field(
         10.0, ge=0, le=600,
@@ -324,9 +318,8 @@ class FetchConfig(StrictModel):
     )
     ban_s: float = Field(
         60.0, gt=0, le=86400,
-        description="Seconds a peer is not asked for anything after it stalled, fell below min_rate_bps, was "
-        "unreachable or served a truncated, oversized or wrong body; doubles with each repeat, up to ban_max_s. "
-        "Kept across versions. The learner is never banned: it is asked again after retry_backoff_s, doubling.",
+        description="Seconds a source is not asked again after it stalled, was too slow or unreachable, or sent a "
+        "bad body; doubles per repeat up to ban_max_s, across versions. The learner is never banned.",
     )
     ban_max_s: float = Field(1800.0, gt=0, le=86400, description="Longest ban of one source, in seconds.")
     max_manifest_bytes: int = Field(16 * MiB, ge=1024, description="Largest manifest accepted, in bytes.")
@@ -363,9 +356,8 @@ class SupervisorConfig(StrictModel):
     )
     restart_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="Longest pause between restarts, in seconds.")
     stop_budget_s: float = Field(
-        4.0, ge=1, le=120, description="Seconds a SIGTERM'd daemon takes at most to say `stopping`, close its "
-        "servers and stop the DHT node and p2pd (systemd's stop timeout should exceed it): a quarter for the role's "
-        "tasks to end, a quarter to close the chunk server, the rest for the DHT node and p2pd.",
+        4.0, ge=1, le=120, description="Seconds a SIGTERM'd daemon takes at most to say `stopping` and stop its "
+        "chunk server, DHT node and p2pd (operations.md, 'Stopping'; set systemd's stop timeout above it).",
     )
     stopping_card_timeout_s: float = Field(
         0.5, gt=0, le=30, description="Seconds spent storing the `stopping` card on the way out (part of the budget).",
@@ -379,18 +371,13 @@ class PublishConfig(StrictModel):
     policy_key: Path | None = Field(None, description="Ed25519 policy key written by `echo2swarm keygen`.")
     chunk_size: int | Literal["auto"] = Field(
         "auto",
-        description="Bytes per chunk (64 KiB .. 64 MiB; accepts '8MiB'), or `auto`: about AUTO_CHUNKS (256) chunks "
-        "per version, the largest power of two <= dense bytes / 256 within 64 KiB .. 8 MiB (a 40 MB model: "
-        "128 KiB; 1 GiB: 4 MiB; 16 GB: 8 MiB, ~1900 chunks). A chunk is what each hop of a broadcast chain "
-        "stores and verifies before forwarding it, so each hop adds a chunk's transfer time: small models "
-        "need small chunks to pipeline; each chunk costs a request and a manifest entry (~100 bytes).",
+        description="Bytes per chunk (64 KiB .. 64 MiB; accepts '8MiB'), or `auto`: about 256 chunks per version, a "
+        "power of two within 64 KiB .. 8 MiB (operations.md, 'Chunk size').",
     )
     delta_chunk_size: int = Field(
         64 * 1024,
-        description="Bytes per chunk of a delta file (16 KiB .. 64 MiB, at most chunk_size; accepts '64KiB'). A delta "
-        "is often under one dense chunk; cut finer, its pieces flow down the broadcast chains at once (each "
-        "peer forwards piece k while it fetches k+1) instead of hop by hop as one chunk. Each chunk costs a "
-        "request and a manifest entry: raise it for deltas of hundreds of MB.",
+        description="Bytes per chunk of a delta file (16 KiB .. 64 MiB, at most chunk_size; accepts '64KiB'): finer "
+        "than dense chunks, so a delta pipelines down the chains (operations.md, 'Delta versions').",
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="dtype of the published weights (what peers run): `auto` is the model directory's own; "
@@ -398,17 +385,13 @@ class PublishConfig(StrictModel):
     )
     hold_ulps: float = Field(
         0.5, ge=0.5, le=2.0,
-        description="How the fp32 masters become bf16/fp16 weights: a published value is kept until its master is "
-        "more than this many of its ulps away, then the master is rounded to nearest (0.5, the default: plain "
-        "round-to-nearest; 1.0: a weight lags its master by up to one ulp). Holding trades policy mismatch for "
-        "bytes: at lr 1e-5, 1.0 makes deltas ~1.2-1.5x smaller but the weights peers run lag the masters "
-        "coherently, like one to three versions of staleness (docs/benchmarks.md). No effect on float32.",
+        description="fp32 masters to bf16/fp16: a published value is held until its master is more than this many "
+        "ulps away (0.5: round to nearest). Fewer delta bytes, more lag: operations.md, 'Delta versions'.",
     )
     keyframe_every: int = Field(
-        10, ge=1, le=64,
-        description="A dense version (keyframe) every this many versions; the versions between are deltas "
-        "against the previous one (1: every version dense). At most 64: a follower walks back at most 64 "
-        "manifests to find a path.",
+        10, ge=1, le=MAX_KEYFRAME_EVERY,
+        description="A dense version (keyframe) every this many versions, deltas between (1: all dense). At most "
+        "64: a follower walks back at most 64 manifests to find a path.",
     )
     delta_max_ratio: float = Field(
         0.5, gt=0, le=1,

@@ -7,12 +7,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from echo2swarm.control.activation import DEFAULT_HYSTERESIS
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 from echo2swarm.runtime.devices import check_cpus, check_device_name
+from echo2swarm.wire.work import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, MAX_PROMPTS_PER_LEASE
 
 # Checked for spelling here (no torch import); whether the CUDA device exists is checked at
 # daemon preflight and again when the trainer or engine is built.
 Device = Annotated[str, AfterValidator(check_device_name)]
+
+# Defaults the engines' own constructors take too (rollout/engines/hf.py, vllm.py): stated once, here.
+DEFAULT_MAX_BATCH_SEQUENCES = 256
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 
@@ -34,22 +40,18 @@ class TrainConfig(_Section):
     )
     publish_every: int = Field(DEFAULT_PUBLISH_EVERY, ge=1, description="kappa: publish a new policy version every this many steps.")
     prompts_per_step: int = Field(16, ge=1, le=4096, description="Groups (prompts) per step.")
-    group_size: int = Field(8, ge=2, le=256, description="G: completions per prompt.")
-    max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length limit, in tokens.")
+    group_size: int = Field(8, ge=2, le=MAX_GROUP_SIZE, description="G: completions per prompt.")
+    max_new_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length limit, in tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature on rollout peers.")
     top_p: float = Field(
-        1.0, gt=0, le=1, description="Nucleus sampling on rollout peers: each token is drawn from the top-ranked "
-        "tokens holding top_p of the temperature-scaled mass, renormalised, and its behaviour logprob is reported "
-        "under that nucleus; the learner's logprobs stay full-softmax, so exp(proximal - behaviour) is the "
-        "importance weight. 1.0: no truncation.",
+        1.0, gt=0, le=1, description="Nucleus sampling on rollout peers; their behaviour logprobs are renormalised "
+        "over the nucleus (architecture.md §6, rollout/engines/base.py). 1.0: no truncation.",
     )
     lr: float = Field(3e-4, gt=0, le=1, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     adam_beta1: float = Field(
-        0.7, ge=0, lt=1, description="AdamW's first-moment decay (TRL's name). Momentum averages ~1/(1 - beta1) past "
-        "gradients, a delay that adds to the rollouts' staleness: 0.7 (not torch's 0.9) from scripts/bench_staleness.py "
-        "(forced staleness, seeds 0-2): S = 6 reward 0.448 against 0.404 with 0.9, S = 0 0.511 against 0.528. Raise it "
-        "toward 0.9 for strictly on-policy runs (staleness 0).",
+        0.7, ge=0, lt=1, description="AdamW's first-moment decay (TRL's name). 0.7, not torch's 0.9: momentum is a "
+        "delay that adds to staleness (operations.md, 'Staleness'); 0.9 for runs that stay on-policy.",
     )
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW's second-moment decay (TRL's name).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
@@ -100,9 +102,8 @@ class TrainConfig(_Section):
         "staleness) or 'oldest' (oldest first: fewest groups dropped as stale, staleness near S).",
     )
     inflight_headroom: float = Field(
-        1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x (groups the learner "
-        "trains while one lease is generated: R x work seconds per lease / T_train, measured), and never above "
-        "(S + 1) x R. Lower: fresher rollouts, more bubble.",
+        1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x the groups trained "
+        "while one lease is generated (measured), never above (S + 1) x R. Lower: fresher rollouts, more bubble.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model kept).")
     kl_estimator: Literal["k3_is", "k3"] = Field(
@@ -118,19 +119,16 @@ class TrainConfig(_Section):
         "when a CUDA device is visible, else cpu), cpu, cuda or cuda:N. Published weights are fp32 on CPU either way.",
     )
     micro_batch_sequences: int | None = Field(
-        None, ge=1, le=65536, description="Sequences in one forward/backward of an optimizer update at most: a "
-        "minibatch with more is split into micro-batches whose gradients accumulate into the same update (loss "
-        "normalised as for the whole minibatch). A sharded learner (several ranks) hands the micro-batches out "
-        "across its ranks. None: a whole minibatch at once on one rank (split evenly across ranks otherwise).",
+        None, ge=1, le=65536, description="Sequences per forward/backward at most: a larger minibatch is split into "
+        "micro-batches accumulating one update (spread across a sharded learner's ranks). None: a whole minibatch.",
     )
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer's activations in the backward pass instead of keeping "
         "them (less memory, about a third more compute).",
     )
     mixed_precision: Literal["auto", "bf16", "off"] = Field(
-        "auto", description="A sharded learner (FSDP2, several ranks): 'bf16' computes in bfloat16 with fp32 "
-        "master weights, optimizer state and gradient reductions; 'off' computes in fp32; 'auto' is bf16 on CUDA "
-        "and off on the CPU. A single-process learner computes in fp32.",
+        "auto", description="Sharded learners (FSDP2): 'bf16' computes in bfloat16 with fp32 masters, optimizer "
+        "state and reductions; 'off' in fp32; 'auto' bf16 on CUDA, off on the CPU. One process: fp32.",
     )
     checkpoint_every: int = Field(20, ge=1, description="Steps between checkpoints (model, optimizer, RNG, cursor).")
     keep_checkpoints: int = Field(2, ge=1)
@@ -162,7 +160,7 @@ class TrainConfig(_Section):
 class LeaseConfig(_Section):
     """How the learner hands out work."""
 
-    max_prompts: int = Field(8, ge=1, le=256, description="Prompts in one lease at most.")
+    max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE, description="Prompts in one lease at most.")
     timeout_s: float = Field(60.0, gt=0, description="Seconds before an unfinished lease is re-issued to someone else.")
     wait_retry_s: float = Field(0.05, gt=0, le=60, description="Back-off a peer is told when no work is available.")
     max_hold_s: float = Field(
@@ -232,7 +230,7 @@ class VLLMOptions(_Section):
         None, gt=0, description="KV cache size in GiB. None: gpu_memory_utilization on GPUs, 1 GiB on CPUs."
     )
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may take when kv_cache_gib is None (GPUs only)."
+        DEFAULT_GPU_MEMORY_UTILIZATION, gt=0, le=1, description="Fraction of GPU memory vLLM may take when kv_cache_gib is None (GPUs only)."
     )
     max_model_len: int | None = Field(
         None, ge=2, description="Longest prompt + completion in tokens. None: the model's max_position_embeddings."
@@ -254,7 +252,7 @@ class EngineConfig(_Section):
         "auto", description="Torch device of the transformers engine: auto (cuda when visible, else cpu), cpu, cuda "
         "or cuda:N. vLLM picks its own device and ignores this.",
     )
-    max_batch_sequences: int = Field(256, ge=1, description="Sequences generated in one batch at most.")
+    max_batch_sequences: int = Field(DEFAULT_MAX_BATCH_SEQUENCES, ge=1, description="Sequences generated in one batch at most.")
     isolate: bool = Field(
         True, description="Run the engine in a process of its own, so generation never shares the GIL with the "
         "daemon's event loop (serving chunks, RPCs, the DHT). false: in a thread of the daemon.",
@@ -284,7 +282,7 @@ class EngineConfig(_Section):
 class WorkerConfig(_Section):
     """How a rollout peer takes leases."""
 
-    max_prompts: int = Field(8, ge=1, le=256, description="Prompts asked for per lease.")
+    max_prompts: int = Field(8, ge=1, le=MAX_PROMPTS_PER_LEASE, description="Prompts asked for per lease.")
     rpc_timeout_s: float = Field(30.0, gt=0, description="Seconds for one lease or submit call.")
     idle_retry_s: float = Field(1.0, gt=0, description="Seconds between attempts while no learner is reachable.")
     lease_wait_s: float = Field(
@@ -306,15 +304,14 @@ class WorkerConfig(_Section):
         "learner can plan with it before the first lease.",
     )
     calibration_prompts: int = Field(4, ge=1, le=256, description="Prompts in the calibration batch.")
-    calibration_group_size: int = Field(8, ge=1, le=256, description="Completions per calibration prompt "
+    calibration_group_size: int = Field(8, ge=1, le=MAX_GROUP_SIZE, description="Completions per calibration prompt "
                                         "(until a lease shows the task's own group size).")
-    calibration_max_new_tokens: int = Field(8, ge=1, le=8192, description="Completion length of the calibration batch "
+    calibration_max_new_tokens: int = Field(8, ge=1, le=MAX_COMPLETION_TOKENS, description="Completion length of the calibration batch "
                                             "(until a lease shows the task's own).")
     ewma_alpha: float = Field(0.2, gt=0, le=1, description="Weight of the newest lease in the rollouts/s average.")
     max_refit_share: float = Field(
-        0.05, gt=0, le=1, description="Most of the engine's time spent loading new policy versions. A version is "
-        "loaded at once if the last load's seconds / this share have passed since it started; else the newest one "
-        "waits until then, or until a lease needs it (staleness). 1: load every version as it arrives.",
+        0.05, gt=0, le=1, description="Most of the engine's time spent loading new versions: the newest waits until "
+        "the last load's seconds / this share have passed, or until a lease needs it. 1: load each as it comes.",
     )
 
     @model_validator(mode="after")
@@ -334,7 +331,7 @@ class ActivationConfig(_Section):
                           "off: every peer gets leases.")
     gamma: float = Field(DEFAULT_GAMMA, ge=1, le=10, description="Margin: active peers must give gamma * R / T_train rollouts/s.")
     hysteresis: float = Field(
-        0.1, ge=0, lt=1,
+        DEFAULT_HYSTERESIS, ge=0, lt=1,
         description="Fraction: the active set is kept while it gives >= (1 - hysteresis) of the floor and no plan "
         "is cheaper by more than this fraction, so peers don't flap.",
     )
@@ -355,44 +352,37 @@ class VerifyConfig(_Section):
     policy would almost never sample. A refused group is dropped from the step and reported.
 
     Defaults leave ~3x margin over the honest spread `scripts/bench_verify.py` measured (tiny arith
-    model, transformers engine, fp32 and bf16, lr 3e-4); the figures are in each field."""
+    model, transformers engine, fp32 and bf16, lr 3e-4): the figures are in docs/benchmarks.md
+    ("Verifying peers' groups"), when to change them in docs/operations.md ("Bans, caps and verification")."""
 
     enabled: bool = Field(True, description="Check every group before it trains; off: train on whatever peers send.")
     sample_fraction: float = Field(
-        0.05, ge=0, le=1, description="Fraction (0-1) of older groups (version < the step's) whose logprobs are "
-        "recomputed under their own version's weights, drawn at random per group. Groups of the step's own version "
-        "are always checked exactly (no extra forward), suspicious older ones too.",
+        0.05, ge=0, le=1, description="Fraction (0-1) of older groups, drawn at random, recomputed under their own "
+        "version's weights; groups of the step's own version, and suspicious ones, are always checked exactly.",
     )
     exact_tolerance: float = Field(
         1.0, gt=0, description="Nats: largest |claimed - recomputed| logprob of any token under the group's own "
-        "version (measured: 9e-6 from an fp32 engine, 0.35 from bf16 weights). Also the per-token bound against "
-        "the current policy at staleness 0.",
+        "version; also the per-token bound against the current policy at staleness 0.",
     )
     exact_mean_tolerance: float = Field(
         0.1, gt=0, description="Nats: largest mean |claimed - recomputed| logprob over a group's tokens under its "
-        "own version (measured: 2e-6 fp32, 0.055 bf16).",
+        "own version.",
     )
     token_gap_per_version: float = Field(
-        3.0, ge=0, description="Nats per version of staleness added to exact_tolerance: the largest |claimed - "
-        "current policy| logprob of any token of a group k versions old is exact_tolerance + k * this (measured "
-        "at lr 3e-4: 1.85 at k = 1, 3.2 at k = 2). Scale it with the learning rate.",
+        3.0, ge=0, description="Nats per version of staleness added to exact_tolerance: the per-token bound against "
+        "the current policy for a group k versions old. Scale it with the learning rate.",
     )
     mean_gap_per_version: float = Field(
         1.0, ge=0, description="Nats per version of staleness added to exact_mean_tolerance: the bound on a "
-        "k-versions-old group's mean |claimed - current policy| logprob (measured at lr 3e-4: 0.46 at k = 1, "
-        "0.72 at k = 2).",
+        "k-versions-old group's mean gap to the current policy.",
     )
     suspect_fraction: float = Field(
-        0.25, gt=0, le=1, description="An older group whose gaps to the current policy exceed this fraction (0-1) "
-        "of their bounds is suspicious: it is checked exactly under its own version (costs a forward, refuses "
-        "nothing by itself).",
+        0.25, gt=0, le=1, description="An older group whose gaps exceed this fraction (0-1) of their bounds is "
+        "suspicious: checked exactly under its own version (a forward; refuses nothing by itself).",
     )
     typicality_z: float | None = Field(
-        24.0, gt=0, description="One-sided z threshold (standard deviations) on sum(surprisal - entropy) under the "
-        "behaviour version's sampling distribution, per sequence and per group: above it the text is far less "
-        "probable than sampling gives and the group is refused (measured: honest max 9.2 in 24000 sequences, but "
-        "18.3 once in 38400 in a demo run: the tail is heavy; random text > 50). A refusal by this test alone is "
-        "not a strike toward a ban (it is statistical, not proof). None: no typicality test.",
+        24.0, gt=0, description="One-sided z threshold on sum(surprisal - entropy) per sequence and per group; "
+        "above it the text is refused as atypical, no strike (protocol.md §10.4.1). None: no typicality test.",
     )
     suspect_steps: int = Field(
         10, ge=0, description="Steps: after one of a peer's groups is refused, all its older groups are checked "

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 _EPS = 1e-9
+DEFAULT_HYSTERESIS = 0.1  # activation.hysteresis: the share of the floor and of the cost tolerated
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,7 @@ class ActivationController:
     ['a', 'b']
     """
 
-    def __init__(self, hysteresis: float = 0.1):
+    def __init__(self, hysteresis: float = DEFAULT_HYSTERESIS):
         if not 0 <= hysteresis < 1:
             raise ValueError(f"hysteresis must be in [0, 1), got {hysteresis}")
         self.hysteresis = hysteresis

@@ -10,7 +10,6 @@ so "reachable" means what it will mean for the daemon.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -72,9 +71,9 @@ def check_ports(config: AnyDaemonConfig) -> list[Check]:
 
 
 def check_p2pd_binary() -> Check:
-    from importlib.resources import files
+    from echo2swarm.overlay.node import p2pd_binary
 
-    path = Path(str(files("hivemind.hivemind_cli") / "p2pd"))
+    path = p2pd_binary()
     if not path.is_file():
         return Check("p2pd binary", "fail", f"{path} is missing",
                      "reinstall hivemind (pip install --force-reinstall hivemind)")
@@ -152,10 +151,8 @@ async def _serve_info(host: str, port: int, peer_id: str) -> tuple[Any, int]:
 
 async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s: float = 0.0) -> list[Check]:
     """p2pd, the initial peers, reachability, chunk server, clock skew (needs the network)."""
-    from echo2swarm.overlay.addresses import dial_addrs
     from echo2swarm.overlay.node import BootstrapError, Overlay
     from echo2swarm.overlay.reachability import peer_id_of, probe
-    from hivemind.p2p import PeerID
 
     out: list[Check] = []
     overlay_config = config.overlay.model_copy(update={"initial_peers": [], "new_swarm": True})
@@ -178,8 +175,7 @@ async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s:
             peer = peer_id_of(addr)
             try:
                 assert peer is not None
-                await asyncio.wait_for(overlay.p2p._client.connect(PeerID.from_base58(peer), dial_addrs([addr])),
-                                       timeout)
+                await overlay.connect(peer, [addr], timeout)
                 answered.append(peer)
                 out.append(Check("initial peer", "ok", f"{addr} answers"))
             except Exception as e:

@@ -1,4 +1,5 @@
-"""Model builders for the echo2swarm daemon."""
+"""The tiny local model (`tiny.py`) and its supervised warm-up (`warmup.py`), for the demo and tests;
+`kv_cache.py` hands a causal LM its KV cache across transformers releases."""
 
 from echo2swarm.models.tiny import build_char_tokenizer, build_tiny_model, tiny_config, write_tiny_model
 

@@ -19,17 +19,10 @@ from typing import Literal
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from echo2swarm.wire.peer_keys import varint
+
 AddressClass = Literal["circuit", "loopback", "private", "public", "other"]
 _P2P_CODE = 421
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 class EncodedMaddr:
@@ -42,7 +35,7 @@ class EncodedMaddr:
         for part in parts[1:]:
             peer, _, rest = part.partition("/")
             multihash = PeerID.from_base58(peer).to_bytes()
-            data += _varint(_P2P_CODE) + _varint(len(multihash)) + multihash
+            data += varint(_P2P_CODE) + varint(len(multihash)) + multihash
             if rest:
                 data += Multiaddr("/" + rest).to_bytes()
         self._data = data

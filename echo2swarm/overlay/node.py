@@ -37,20 +37,27 @@ from pathlib import Path
 from typing import Any
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay.dht_keys import head_key, peers_key
 from echo2swarm.overlay import rpc
-from echo2swarm.overlay.addresses import classify, ip_of
+from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
 from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, parse_head
 
 logger = get_logger(__name__)
+
+
+def p2pd_binary() -> Path:
+    """The p2pd executable hivemind ships and `P2P.create` spawns (`echo2swarm doctor` checks it)."""
+    from importlib.resources import files
+
+    return Path(str(files("hivemind.hivemind_cli") / "p2pd"))
 
 
 class BootstrapError(RuntimeError):
@@ -334,6 +341,10 @@ class Overlay:
         except Exception as e:  # p2pd busy or gone: keep what we had
             logger.debug("identify: %s", e)
             return await self.visible_maddrs()
+
+    async def connect(self, peer_id: str, maddrs: list[str], timeout: float) -> None:
+        """Open a libp2p connection to `peer_id` at `maddrs`; raises when it fails or takes over `timeout` s."""
+        await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), dial_addrs(maddrs)), timeout)
 
     def known_maddrs(self, peer_id: str) -> list[str]:
         """The multiaddrs of `peer_id`'s newest card we read (a relay address may have appeared since)."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from echo2swarm.config.models import MAX_KEYFRAME_EVERY
 from echo2swarm.policy.manifest import SAFETENSORS_MAX_HEADER, DeltaFile, Manifest, sha256_hex
 from echo2swarm.runtime.logging import get_logger
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))  # tensors hashed at once (hashlib lets go of the GIL)
 ORDERS_NICE = 10  # the orders thread's nice: it yields to the peer's own work (a nice-0 thread gets ~10x its share)
-MAX_CHAIN = 64  # manifests a follower walks back from the target at most (publish.keyframe_every <= this)
+MAX_CHAIN = MAX_KEYFRAME_EVERY  # manifests a follower walks back from the target at most
 PATHS = ("delta", "chain", "composite", "keyframe")  # fetch-path labels (bounded: metrics and /v1/info)
 # torch dtype name -> safetensors dtype string, for checking a rebuilt tensor against its TensorInfo
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64",

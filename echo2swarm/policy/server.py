@@ -14,12 +14,10 @@ routes are served: the daemon's own HTTP server for its operator, which serves t
 `ChunkService` is the part both transports share: what may be served, the budgets, the upload
 limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
 
-A follower long-polls the learner's head (`fetch.head_wait_s`, `HeadWatch`): the request is held (at
-most `chunk_server.wait_s`, in the `waiting` budget) until a head newer than `after` is published
-and its broadcast plan is served, then answered with it; at the end of the wait, with the current
-head. The learner's version store wakes the watch when a version is installed; one watcher task
-then re-reads the head until the new one is out. The head is signed by the policy key: whoever
-answers, a follower only takes it as a hint and verifies it like a head read from the DHT.
+A follower long-polls the learner's head (`HeadWatch`): the request is held (at most
+`chunk_server.wait_s`, in the `waiting` budget) until a head newer than `after` is published and its
+broadcast plan served (the version store wakes the watch on install), else answered at the end of
+the wait with the current head; the follower verifies it like a head read from the DHT.
 
 Only what the store holds is served, and the store only holds verified bytes. A chunk of the
 version this peer is still fetching is served as soon as it is verified: with `wait`, the request
@@ -35,12 +33,10 @@ all clients together and per client (IP address over HTTP, peer id over libp2p):
     waiting      chunk requests held for a chunk of the version in flight, and head long-polls
     uploads      chunk bodies being streamed (after any wait: a held request holds no upload slot)
 
-Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`
-(`chunk_server.retry_after_s`), counted in `stats` by reason. Requests carry no body, header sizes
-are aiohttp's bounded defaults, a connection must send its request head within
-`chunk_server.idle_timeout_s`, and chunk bodies are streamed inside the handler, so every transfer
-is inside its budget and `request_timeout_s`. Every chunk byte (and, over libp2p, every manifest and
-plan byte) passes the daemon's upload limiter; small JSON answers over HTTP do not.
+Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`, counted
+in `stats` by reason. Chunk bodies are streamed inside the handler, so every transfer is inside its
+budget and `request_timeout_s`, and every chunk byte passes the daemon's upload limiter. The
+request limits and timeouts: docs/protocol.md §6.
 """
 
 from __future__ import annotations

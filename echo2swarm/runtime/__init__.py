@@ -1,1 +1,1 @@
-"""Process-level plumbing shared by every role: logging, the daemon supervisor, child processes."""
+"""Leaf utilities shared by every role: logging, child processes, asyncio helpers and back-off, devices and cores."""

@@ -11,11 +11,15 @@ out the same prompts for the same ids.
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["SPLITS", "Prompt", "SupervisedTask", "Task", "format_prompt_id", "parse_prompt_id"]
+__all__ = ["SPLITS", "EpochShuffle", "Prompt", "SupervisedTask", "Task", "format_prompt_id", "parse_prompt_id"]
+
+T = TypeVar("T")
 
 SPLITS: tuple[str, ...] = ("train", "eval")
 
@@ -93,3 +97,36 @@ def check_index(index: int, split: str, eval_size: int) -> None:
         raise ValueError(f"prompt index must be a non-negative int, got {index!r}")
     if split == "eval" and index >= eval_size:
         raise ValueError(f"eval index {index} out of range: the eval split has {eval_size} prompts")
+
+
+class EpochShuffle(Generic[T]):
+    """An unbounded train split over a finite list: index ``i`` is position ``i % n`` of pass
+    ``i // n``, each pass a permutation seeded by ``f"{key}:{pass}"``, so deterministic in the key.
+
+    Example::
+
+        order = EpochShuffle(rows, key=f"{seed}:train")
+        order[len(rows) + 3]   # the 4th item of the second pass
+    """
+
+    def __init__(self, items: Sequence[T], key: str):
+        self._items = list(items)
+        self._key = key
+        self._passes: dict[int, list[T]] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> T:
+        epoch, position = divmod(index, len(self._items))
+        return self._epoch(epoch)[position]
+
+    def _epoch(self, epoch: int) -> list[T]:
+        items = self._passes.get(epoch)
+        if items is None:
+            items = list(self._items)
+            random.Random(f"{self._key}:{epoch}").shuffle(items)
+            if len(self._passes) >= 4:  # leases stay within a pass or two of each other
+                self._passes.clear()
+            self._passes[epoch] = items
+        return items

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.tasks.base import Prompt, check_index, format_prompt_id, parse_prompt_id
+from echo2swarm.tasks.base import EpochShuffle, Prompt, check_index, format_prompt_id, parse_prompt_id
 from echo2swarm.tasks.chat import ChatFormatter, load_tokenizer
 from echo2swarm.tasks.problems import MathProblem, final_answer, last_boxed, load_problems
 
@@ -173,7 +173,7 @@ class MathTask:
             random.Random(f"{seed}:split").shuffle(order)
             n_eval = 0 if eval_fraction == 0 or n < 2 else min(n - 1, max(1, round(n * eval_fraction)))
             self._eval_rows, self._train_rows = order[:n_eval], order[n_eval:]
-        self._epochs: dict[int, list[int]] = {}
+        self._train_order = EpochShuffle(self._train_rows, key=f"{seed}:train")
         logger.info("math task: %d problems from %s (%d train, %d eval)%s", len(self.problems), self.path,
                     len(self._train_rows), len(self._eval_rows), ", chat-formatted" if self.chat else "")
 
@@ -196,22 +196,11 @@ class MathTask:
             raise ValueError(f"chat_template = true, but the tokenizer from {tokenizer!r} has no chat template")
         return ChatFormatter(loaded, system_prompt=system_prompt)
 
-    def _train_epoch(self, epoch: int) -> list[int]:
-        rows = self._epochs.get(epoch)
-        if rows is None:
-            rows = list(self._train_rows)
-            random.Random(f"{self.seed}:train:{epoch}").shuffle(rows)
-            if len(self._epochs) >= 4:  # leases stay within a pass or two of each other
-                self._epochs.clear()
-            self._epochs[epoch] = rows
-        return rows
-
     def _row(self, index: int, split: str) -> MathProblem:
         check_index(index, split, len(self._eval_rows))
         if split == "eval":
             return self.problems[self._eval_rows[index]]
-        epoch, position = divmod(index, len(self._train_rows))
-        return self.problems[self._train_epoch(epoch)[position]]
+        return self.problems[self._train_order[index]]
 
     def prompt(self, index: int, split: str = "train") -> Prompt:
         text = self.prompt_template.format(question=self._row(index, split).question)

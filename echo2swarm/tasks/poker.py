@@ -19,14 +19,13 @@ permutation of the train spots that is reshuffled (by ``seed``) every pass.
 from __future__ import annotations
 
 import json
-import random
 import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.tasks.base import Prompt, check_index, format_prompt_id, parse_prompt_id
+from echo2swarm.tasks.base import EpochShuffle, Prompt, check_index, format_prompt_id, parse_prompt_id
 
 __all__ = ["ACTIONS", "ANSWER_FORMATS", "STREETS", "PokerTask", "Spot", "parse_action", "read_spots", "spots_path"]
 
@@ -196,25 +195,14 @@ class PokerTask:
         self._rewards = {(s.split, s.index): s.rewards() for s in pool}
         if len(self._rewards) != len(pool):
             raise ValueError(f"spots = {str(self.path)!r}: two spots share a split and index")
-        self._epochs: dict[int, list[Spot]] = {}
+        self._train_order = EpochShuffle(self._train, key=f"{seed}:poker:train")
         logger.info("poker task: %d train and %d eval spots from %s", len(self._train), len(self._eval), self.path)
-
-    def _train_epoch(self, epoch: int) -> list[Spot]:
-        spots = self._epochs.get(epoch)
-        if spots is None:
-            spots = list(self._train)
-            random.Random(f"{self.seed}:poker:train:{epoch}").shuffle(spots)
-            if len(self._epochs) >= 4:  # leases stay within a pass or two of each other
-                self._epochs.clear()
-            self._epochs[epoch] = spots
-        return spots
 
     def spot(self, index: int, split: str = "train") -> Spot:
         check_index(index, split, len(self._eval))
         if split == "eval":
             return self._eval[index]
-        epoch, position = divmod(index, len(self._train))
-        return self._train_epoch(epoch)[position]
+        return self._train_order[index]
 
     def prompt(self, index: int, split: str = "train") -> Prompt:
         return Prompt(prompt_id=format_prompt_id(split, index), text=self.spot(index, split).prompt())

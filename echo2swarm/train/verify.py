@@ -1,88 +1,40 @@
 """Check the groups of untrusted rollout peers against the learner's own policy before they train.
 
-A rollout peer sends token ids and, per token, the behaviour logprob of the version that sampled
-it. Both are self-declared: `check_group` (leases.py) only checks shapes and that logprobs are
-finite and <= 0. A hostile peer can send finite but absurd logprobs (-1e30: the importance ratio
-is inf, the loss NaN, and NaN spreads through `clip_grad_norm_` into every weight), or run no
-model at all and send the right answer with made-up logprobs, or make up text (the right answer)
-and score it honestly. This module is the learner's answer; `GRPOTrainer.step` runs it on every
-batch, before the loss.
+A rollout peer's token ids and behaviour logprobs are self-declared (`check_group` in leases.py
+checks only shapes and that logprobs are finite and <= 0): a peer may send absurd logprobs (-1e30
+makes the loss NaN, and NaN spreads into every weight), made-up ones for the right answer, or
+made-up text. `GRPOTrainer.step` runs this module on every batch, before the loss. The checks,
+their reasons and defaults: docs/protocol.md §10.4.1; the honest spread behind the defaults and
+what the checks catch: docs/benchmarks.md ("Verifying peers' groups").
 
-Dataflow (one training step at current version t; b = the claimed behaviour logprobs, k = t - v
-the staleness of a group of version v)::
+Dataflow (one step at version t; b = the claimed behaviour logprobs, k = t - v the staleness of a
+group of version v)::
 
-    groups ─► left-padded batch
-      └─► the step's own forward of the policy (= version t; `score_logits` on its logits, no
-            gradient; `score_tokens` for a forward of its own), per completion token, under the
-            sampling distribution π (softmax(logits / T), top-p nucleus renormalised: what the
-            engines sample from and report, rollout/engines/base.py): q = log π(x) (the proximal
-            logprob, the decoupled objective's anchor, minus the log of the nucleus mass; the
-            proximal logprob itself when top_p = 1), the surprisal s = -log π(x), the entropy
-            H(π) and Var_π[-log π]
+    groups ─► the step's own forward of the policy (version t, no gradient; `score_logits`), per
+              completion token under the sampling distribution π (softmax(logits / T), top-p
+              nucleus renormalised, as the engines report: rollout/engines/base.py):
+              q = log π(x), the surprisal s = -log π(x), H(π) and Var_π[-log π]
       └─► plausibility, every group (`Verifier.check`)
             b finite ──────────────────────────────────────────────── else "nonfinite_logprob"
             max |b - q| <= exact_tolerance + k · token_gap_per_version   else "token_gap"
             mean |b - q| <= exact_mean_tolerance + k · mean_gap_per_version else "mean_gap"
-            (k = 0: q IS the behaviour version's logprob, so this is the exact check: "exact_mismatch";
-            k > 0: a group past these bounds gets the exact check below, which decides; the
-            "token_gap"/"mean_gap" refusal stands only when its version's weights are gone)
-      └─► exact check: every group of version t (free: q above); of older groups a random
-            `sample_fraction`, plus every suspicious one (gap above `suspect_fraction` of its
-            bound, typicality over the threshold under q, or a peer refused in the last
-            `suspect_steps` steps). Version v's weights come from `weights_of(v)` (the learner's
-            own published versions) into a spare model (LRU of `spare_models`), one forward per
-            version: e = log π_v(x), renormalised as q; max |b - e| > exact_tolerance or
-            mean |b - e| > exact_mean_tolerance ──────────────────────────── "exact_mismatch"
-      └─► typicality, under the behaviour version (exact when it ran; for an older group that no
-            exact check covered, under q, the policy k versions later, as a proxy):
+            (k = 0: q is the behaviour version's own logprob, so this is the exact check;
+            k > 0: the exact check below decides, these reasons stand only without its weights)
+      └─► exact check: every group of version t (free: q above), of older ones a random
+            `sample_fraction` plus every suspicious one (near its bound, atypical under q, or from
+            a peer refused in the last `suspect_steps` steps): version v's weights (`weights_of`)
+            in a spare model (LRU of `spare_models`), e = log π_v(x); |b - e| past the
+            tolerances ──────────────────────────────────────────────────── "exact_mismatch"
+      └─► typicality under the behaviour version (exact when it ran, else q as a proxy):
             z = Σ (s - H) / sqrt(Σ Var + floor), per sequence and over the group;
             max(z) > typicality_z ──────────────────────────────────────────── "atypical_text"
-      └─► refused groups leave the objective (their rows are masked out) before the loss; each
-            is reported as (peer_id, prompt_id, reason), and its peer's older groups are checked
-            exactly for the next `suspect_steps` steps
+      └─► refused groups' rows leave the objective before the loss; each is reported as
+            (peer_id, prompt_id, reason), and its peer's older groups are checked exactly for the
+            next `suspect_steps` steps
 
-Why the typicality test works, and where it stops: for an honest sample x_t ~ π_t, the surprisal
--log π_t(x_t) has expectation H(π_t) and variance Var_t, both computable from π_t alone; summed
-over a sequence (a martingale: each term has mean 0 given its prefix) the total has mean 0 and
-variance Σ Var_t, so z is about standard. Text the policy would almost never sample (a fabricated
-right answer the model cannot produce, tokens outside the nucleus) has a large positive z. One
-sided: text that is *more* probable than sampling gives (a greedy decode) is not refused.
-It cannot catch a worker that samples honestly but lies elsewhere (about its version, or by
-cherry-picking among many honest samples), nor crafted text that happens to be typical (a right
-answer the policy gives with fair probability: it is then also a likely honest sample, and its
-reward teaches the policy little it would not learn anyway). The tail of z is heavier than a
-normal's (a rare token sampled at a near-certain position gives a large z), hence a threshold
-far above 3 and a variance floor.
-
-Measured honest spread (`scripts/bench_verify.py`: the tiny arith model warmed up to ~25 %
-accuracy, the transformers engine on the CPU, the fp32 trainer; 400 groups of 8 per version and
-engine dtype, T = 1, top_p = 1; also 300 at T = 0.7, top_p = 0.9, measured when the behaviour
-logprob was still the full-softmax one), |claimed - recomputed| logprob:
-
-    engine, vs what                  max over tokens    max group mean   (p99 of per-group max)
-    fp32, own version                9.1e-6             2.0e-6           6.6e-6
-    bf16 weights, own version        0.35               0.055            0.19
-    fp32/bf16, current policy, k=1   1.85               0.46             1.6     (lr 3e-4, R = 16)
-    fp32/bf16, current policy, k=2   3.2                0.72             3.05
-    honest typicality z              8.6 (2400 groups), 9.2 (another 3000 groups); p99 ~5
-
-The defaults (VerifyConfig) leave about 3x margin over these: exact_tolerance 1.0 and
-exact_mean_tolerance 0.1 nats, + 3.0 and + 1.0 nats per version of staleness, typicality_z 24
-(raised from 12 after an honest group scored 18.3 in a 300-step demo run: the tail is heavy).
-With them no honest group of 4200 was refused, and of crafted groups: every absurd one; right
-answers with a constant logprob, all at k = 0 (97 % at T = 0.7, where the model is near certain
-of some answers, so the constant is close to the truth), 70-100 % at k = 1 from a peer with no
-history and 93-100 % from one peer; random text scored with the true logprobs, all; right
-answers scored with the true logprobs, 0-10 % (the warm model gives them 1 time in 4 or 5:
-typical text, see above). The drift per version depends on the learning rate and the model: a
-larger lr than the tiny demo's 3e-4 needs larger per-version bounds, a real LLM's 1e-6 far
-smaller ones; bf16 engines on large models (vLLM) disagree with an fp32 learner more than this
-tiny model does, so measure before tightening exact_tolerance.
-
-Memory: at most `spare_models` extra copies of the policy (fp32, on the training device), made
-on the first exact check of an older version; the sampling statistics and (top_p < 1) the nucleus
-mass are computed in row chunks of at most `chunk_elements` logits beside the logits the forward
-already holds.
+Memory: at most `spare_models` extra fp32 copies of the policy on the training device, made on the
+first exact check of an older version; the sampling statistics are computed in row chunks of at
+most `chunk_elements` logits beside the logits the forward already holds.
 """
 
 from __future__ import annotations

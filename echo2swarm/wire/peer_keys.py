@@ -68,7 +68,8 @@ def b58decode(text: str) -> bytes:
 
 
 # -- protobuf (two fields, so written by hand) ---------------------------------------------------
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """Unsigned LEB128, as protobuf, multihash and multiaddr write their lengths and codes."""
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -92,7 +93,7 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
 
 def encode_key_proto(key_type: int, data: bytes) -> bytes:
     """The libp2p PublicKey/PrivateKey message: field 1 (varint) then field 2 (bytes)."""
-    return b"\x08" + _varint(key_type) + b"\x12" + _varint(len(data)) + data
+    return b"\x08" + varint(key_type) + b"\x12" + varint(len(data)) + data
 
 
 def decode_key_proto(blob: bytes) -> tuple[int, bytes]:
@@ -118,7 +119,7 @@ def decode_key_proto(blob: bytes) -> tuple[int, bytes]:
 # -- peer ids ------------------------------------------------------------------------------------
 def peer_id_bytes(public_proto: bytes) -> bytes:
     if len(public_proto) <= _MAX_INLINE_KEY:
-        return bytes([_MH_IDENTITY]) + _varint(len(public_proto)) + public_proto
+        return bytes([_MH_IDENTITY]) + varint(len(public_proto)) + public_proto
     return bytes([_MH_SHA256, 32]) + hashlib.sha256(public_proto).digest()
 
 

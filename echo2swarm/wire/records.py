@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
 from echo2swarm.wire.reach import HolepunchTransport, Reachability
+from echo2swarm.wire.schema import schema_error
 from echo2swarm.wire.signing import DOMAIN_CARD, DOMAIN_HEAD, PolicyKey, PublicKey, canonical_bytes, float_text
 
 MAX_RECORD_BYTES = 16 * 1024
@@ -226,8 +227,7 @@ def _parse(model: type[R], value: object, what: str) -> R:
     try:
         return model.model_validate(value)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise RecordError(f"{what} does not match the schema: {first['loc']}: {first['msg']}") from None
+        raise RecordError(f"{what} does not match the schema: {schema_error(e)}") from None
 
 
 def parse_card(value: object) -> PeerCard:

@@ -57,7 +57,7 @@ def make_engine(
     model_dir: Path,
     *,
     threads: int | None = None,
-    max_batch_sequences: int = 256,
+    max_batch_sequences: int | None = None,
     vllm_options: dict[str, Any] | None = None,
     **transformers_options: Any,
 ) -> Engine:
@@ -65,7 +65,8 @@ def make_engine(
 
     ``"auto"`` picks vLLM when it imports here, else transformers, and logs which and why.
     ``vllm_options`` go to :class:`VLLMEngine` only, ``transformers_options`` to
-    :class:`TransformersEngine` only; ``threads`` and ``max_batch_sequences`` to either.
+    :class:`TransformersEngine` only; ``threads`` and ``max_batch_sequences`` (None: the engine's
+    default, `engine.max_batch_sequences`'s) to either.
 
     Example::
 
@@ -86,18 +87,17 @@ def make_engine(
                 raise RuntimeError(f"engine 'vllm' was requested but {e}") from e
             chosen, why = "transformers", f"; vllm unusable: {e}"
     logger.info("rollout engine: %s (asked for %r%s)", chosen, kind, why)
+    batch = {} if max_batch_sequences is None else {"max_batch_sequences": max_batch_sequences}
     if chosen == "vllm":
         from echo2swarm.rollout.engines.vllm import VLLMEngine
 
         if transformers_options.get("device", "auto") not in ("auto", "cuda"):
             logger.warning("engine.device=%s is not used by vLLM, which picks its own device "
                            "(choose a GPU with CUDA_VISIBLE_DEVICES)", transformers_options["device"])
-        return VLLMEngine(Path(model_dir), threads=threads, max_batch_sequences=max_batch_sequences,
-                          **(vllm_options or {}))
+        return VLLMEngine(Path(model_dir), threads=threads, **batch, **(vllm_options or {}))
     from echo2swarm.rollout.engines.hf import TransformersEngine
 
-    return TransformersEngine(Path(model_dir), threads=threads, max_batch_sequences=max_batch_sequences,
-                              **transformers_options)
+    return TransformersEngine(Path(model_dir), threads=threads, **batch, **transformers_options)
 
 
 def __getattr__(name: str) -> type[TransformersEngine] | type[VLLMEngine]:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["ENGINE_KINDS", "Completion", "Engine", "FinishReason", "SamplingParams"]
+__all__ = ["ENGINE_KINDS", "Completion", "Engine", "FinishReason", "SamplingParams", "encode_prompts"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -91,6 +91,18 @@ class Completion:
     ``token_ids``."""
     finish_reason: FinishReason
     """``"stop"``: an EOS id was produced; ``"length"``: ``max_new_tokens`` ran out first."""
+
+
+def encode_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """The prompts' token ids as an HF tokenizer gives them (the ids the learner tokenizes alike).
+
+    Raises ValueError for a prompt with no tokens: there is nothing to condition a completion on.
+    """
+    encoded: list[list[int]] = tokenizer(list(prompts))["input_ids"]
+    for index, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
+    return encoded
 
 
 @runtime_checkable

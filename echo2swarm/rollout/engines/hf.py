@@ -27,8 +27,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from echo2swarm.config.rl import DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.models.kv_cache import kv_cache
-from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
 
@@ -74,7 +75,7 @@ class TransformersEngine:
         *,
         device: str = "cpu",
         threads: int | None = None,
-        max_batch_sequences: int = 256,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         dtype: torch.dtype | None = None,
     ):
         """
@@ -140,10 +141,7 @@ class TransformersEngine:
         model = self._require_open()
         if not prompts:
             return []
-        encoded: list[list[int]] = self.tokenizer(list(prompts))["input_ids"]
-        for index, ids in enumerate(encoded):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
+        encoded = encode_prompts(self.tokenizer, prompts)
         longest = max(len(ids) for ids in encoded)
         if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
             logger.warning(

@@ -43,8 +43,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from echo2swarm.config.rl import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.rollout.engines import vllm_worker as in_worker
-from echo2swarm.rollout.engines.base import Completion, SamplingParams
+from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -111,10 +112,10 @@ class VLLMEngine:
         model_dir: Path,
         *,
         threads: int | None = None,
-        max_batch_sequences: int = 256,
+        max_batch_sequences: int = DEFAULT_MAX_BATCH_SEQUENCES,
         dtype: str = "auto",
         kv_cache_gib: float | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
         block_size: int | None = None,
@@ -204,10 +205,8 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        encoded: list[list[int]] = self.tokenizer(list(prompts))["input_ids"]
+        encoded = encode_prompts(self.tokenizer, prompts)
         for index, ids in enumerate(encoded):
-            if not ids:
-                raise ValueError(f"prompt {index} ({prompts[index]!r}) tokenizes to no tokens; nothing to condition on")
             if len(ids) + 1 > self._max_model_len:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens; the engine's max_model_len is {self._max_model_len}"

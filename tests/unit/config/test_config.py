@@ -296,3 +296,12 @@ def test_a_lease_wait_as_long_as_the_rpc_timeout_is_refused_by_name(tmp_path: Pa
     assert "worker.lease_wait_s" in msg and "worker.rpc_timeout_s" in msg
     assert rollout().worker.lease_wait_s < rollout().worker.rpc_timeout_s  # the defaults hold together
 
+
+
+def test_the_learner_keeps_its_staleness_window_and_four_more_versions(tmp_path: Path) -> None:
+    def kept(**sections: dict) -> int:
+        return LearnerConfig(publish={"model": tmp_path, "policy_key": tmp_path / "k"}, **sections).versions_kept
+
+    assert kept(train={"staleness": 1}, store={"keep_versions": 2}) == 1 + 4
+    assert kept(train={"staleness": 1}, store={"keep_versions": 12}) == 12
+    assert kept(train={"staleness": 6}) == 10

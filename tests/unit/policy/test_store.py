@@ -8,7 +8,12 @@ import pytest
 
 from echo2swarm.policy.manifest import Manifest, SignedManifest, file_entry, sha256_hex
 from echo2swarm.wire.signing import PolicyKey
-from echo2swarm.policy.store import ChunkHashError, ChunkStore, VersionStore, collect_garbage
+from echo2swarm.policy.store import (
+    ChunkHashError,
+    ChunkStore,
+    VersionStore,
+    collect_garbage,
+)
 
 CHUNK = 4
 FILES = {"model.safetensors": b"0123456789abcdef0123", "config.json": b'{"a": 1}', "empty.txt": b""}
