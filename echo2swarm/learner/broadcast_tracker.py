@@ -37,7 +37,6 @@ from echo2swarm.runtime.logging import get_logger
 logger = get_logger(__name__)
 KEEP_PLANS = 16
 MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
-EWMA_ALPHA = 0.3
 REPORT_WAIT_S = 30.0  # a receiver silent about v this long after its publish...
 REPORT_WAIT_FACTOR = 3.0  # ...and this many times the slowest reported arrival of v is left out of T_bcast(v)
 REPORT_WAIT_MAX_S = 600.0  # one whose card says it is fetching v (or newer) is waited for this long at most
@@ -53,9 +52,10 @@ def planned_upload(card: PeerCard) -> int | None:
     return card.uplink_bps if card.upload_bps is None else min(card.upload_bps, card.uplink_bps)
 
 class BroadcastTracker:
-    def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float,
+    def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float, ewma_alpha: float,
                  clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: ()):
         self.overlay = overlay
+        self.ewma_alpha = ewma_alpha  # activation.ewma_alpha: the weight of the newest version's T_bcast
         self.excluded = excluded  # peers never planned as receivers or parents (the learner banned them)
         self.key = key
         self.seeds = seeds
@@ -174,7 +174,7 @@ class BroadcastTracker:
         worst = max(reported)
         self._published.pop(version, None)
         self.t_bcast[version] = worst
-        self.t_bcast_s = worst if self.t_bcast_s is None else (1 - EWMA_ALPHA) * self.t_bcast_s + EWMA_ALPHA * worst
+        self.t_bcast_s = worst if self.t_bcast_s is None else (1 - self.ewma_alpha) * self.t_bcast_s + self.ewma_alpha * worst
         logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, worst, len(reported))
 
     async def run(self, stop: asyncio.Event) -> None:

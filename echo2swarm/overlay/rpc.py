@@ -33,6 +33,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from pydantic import BaseModel, ValidationError
 
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.schema import schema_error
 from echo2swarm.wire.surfaces import Rpc, Surface
 
 logger = get_logger(__name__)
@@ -70,8 +71,7 @@ def decode(wrapper: BytesValue, model: type[M]) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise RpcError(f"invalid {model.__name__}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        raise RpcError(f"invalid {model.__name__}: {schema_error(e)}") from None
 
 
 # Who answered RPCs count as peers "seen doing work" (Overlay.saw_work): libp2p authenticated

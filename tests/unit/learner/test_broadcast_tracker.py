@@ -43,7 +43,7 @@ def card(peer: str, arrivals: dict[int, float], fetching: int | None = None, rol
 
 def tracker() -> tuple[BroadcastTracker, Clock]:
     clock = Clock()
-    t = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0, clock=clock)  # type: ignore[arg-type]
+    t = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0, ewma_alpha=0.3, clock=clock)  # type: ignore[arg-type]
     t.observe([card(HONEST, {}), card(SLOW, {}), card(SILENT, {}, role="relay")])
     return t, clock
 
@@ -117,7 +117,7 @@ def test_every_receiver_reporting_completes_at_once_as_before():
 
 def test_a_banned_peer_is_never_planned_as_a_receiver_or_a_parent() -> None:
     banned: set[str] = set()
-    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, clock=Clock(),
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, ewma_alpha=0.3, clock=Clock(),
                                excluded=lambda: banned)
     tracker.observe([card(HONEST, {}), card(SLOW, {})])
     assert {peer for peer, _ in tracker.receivers()} == {HONEST, SLOW}
@@ -138,7 +138,7 @@ def test_plans_order_peers_by_measured_uplink_within_their_caps() -> None:
     assert planned_upload(up(None, 2_500_000)) == 2_500_000    # an uncapped home line measured at 20 Mbit/s
     assert planned_upload(up(1_000_000, 2_500_000)) == 1_000_000  # never above the cap it set
 
-    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, clock=Clock())  # type: ignore[arg-type]
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=1, refresh_s=1.0, ewma_alpha=0.3, clock=Clock())  # type: ignore[arg-type]
     # Neither capped; the card that says HONEST's uplink carried 4x SLOW's puts HONEST first in the chain.
     tracker.observe([card(SLOW, {}).model_copy(update={"uplink_bps": 1_000_000}),
                      card(HONEST, {}).model_copy(update={"uplink_bps": 4_000_000})])

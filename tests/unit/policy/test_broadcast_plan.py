@@ -184,7 +184,7 @@ def test_t_bcast_waits_for_every_planned_peer_and_counts_a_skipped_version_by_th
         return PeerCard(peer_id=peer, role="rollout", price=0.0, state="ready", software="0", updated_ms=1,
                         arrivals=[{"version": v, "seconds": t} for v, t in arrivals.items()], active=active)
 
-    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0)  # type: ignore[arg-type]
+    tracker = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0, ewma_alpha=0.3)  # type: ignore[arg-type]
     tracker.observe([card(PEERS[0], {}), card(PEERS[1], {}), card(PEERS[2], {}, active=False)])
     tracker.plan(5)
     tracker.observe([card(PEERS[0], {5: 2.0}), card(PEERS[1], {}), card(PEERS[2], {}, active=False)])
