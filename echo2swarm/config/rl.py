@@ -204,6 +204,14 @@ class PeersConfig(_Section):
         4, ge=1, le=1000, description="Leases in a row that lapse with nothing delivered after which the peer is "
         "banned for the run.",
     )
+    graduate_after_groups: int = Field(
+        4, ge=1, le=10_000, description="Verified groups a peer delivers before it leaves probation; until then its "
+        "work comes from the newcomers' shared pool (docs/protocol.md §10.3).",
+    )
+    newcomer_prompts: int | None = Field(
+        None, ge=1, le=100_000, description="Prompts all peers on probation together may hold, outside the in-flight "
+        "cap. None: train.prompts_per_step.",
+    )
     capped_retry_s: float = Field(
         1.0, gt=0, le=60, description="Seconds a peer at its cap (open leases, undelivered prompts, probation) is "
         "told to wait before asking again; its request is answered at once, never held.",
@@ -343,6 +351,14 @@ class ActivationConfig(_Section):
     ewma_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest sample in T_train, T_bcast, L_gen, µ.")
     t_bcast_s: float | None = Field(
         None, ge=0, le=3600, description="T_bcast to plan with, in seconds. None: the learner's measurement (else 0)."
+    )
+    plan_after_groups: int = Field(
+        4, ge=1, le=10_000, description="Verified groups a peer delivers before it is planned (again, after it went "
+        "quiet while planned): a burst cannot displace peers that deliver.",
+    )
+    quiet_after_s: float = Field(
+        5.0, gt=0, le=3600, description="A planned peer silent this long (or 3x its own lease time, if longer) is "
+        "quiet: out of the plan until it delivers plan_after_groups verified groups again.",
     )
 
 
