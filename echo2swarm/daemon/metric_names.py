@@ -180,12 +180,15 @@ LEASES = Section(keys={
     "leases_revoked": (LEASES_ENDED, "revoked"),
 })
 LEASES_CAPPED = counter("learner_lease_requests_capped_total", "Lease requests answered with a wait because the peer "
-                        "held too much undelivered work: open_leases, undelivered, probation.", "reason")
+                        "held too much undelivered work (open_leases, undelivered, probation) or the newcomers' "
+                        "shared pool was taken (newcomer_pool).", "reason")
 FORGOTTEN = counter("learner_ledger_forgotten_total", "Ledger entries dropped to bound its memory (bans, peers).", "what")
 LEDGER = Section(
     keys={
         "tracked": _one(gauge("learner_peers_tracked", "Peers the learner's ledger tracks.")),
-        "probation": _one(gauge("learner_peers_on_probation", "Tracked peers that have delivered nothing yet.")),
+        "probation": _one(gauge("learner_peers_on_probation",
+                                "Tracked peers on probation: fewer verified groups than peers.graduate_after_groups.")),
+        "graduated": _one(counter("learner_peers_graduated_total", "Peers whose verified groups ended their probation.")),
         "bans": _one(counter("learner_bans_total", "Peers banned for the run.")),
         "lapsed_leases": _one(counter("learner_leases_lapsed_total", "Leases the ledger counted as lapsed.")),
         "held_requests_refused": _one(counter("learner_lease_requests_not_held_total",
@@ -195,6 +198,7 @@ LEDGER = Section(
         "capped_open_leases": (LEASES_CAPPED, "open_leases"),
         "capped_undelivered": (LEASES_CAPPED, "undelivered"),
         "capped_probation": (LEASES_CAPPED, "probation"),
+        "newcomer_pool_full": (LEASES_CAPPED, "newcomer_pool"),
         "bans_forgotten": (FORGOTTEN, "bans"),
         "peers_forgotten": (FORGOTTEN, "peers"),
     },
@@ -212,6 +216,8 @@ CAPACITY = Section(
         "gamma": _one(gauge("learner_activation_gamma", "gamma: the activation's safety factor on the rollout floor.")),
         "planned": _one(gauge("learner_activation_planned",
                               "1 while cost-aware activation runs a feasible plan, 0 while everyone works.")),
+        "quiet_events": _one(counter("learner_activation_quiet_total",
+                                     "Planned peers dropped from the plan for going quiet.")),
     },
     # per peer or text (the plan's figures come from DaemonCollector), and t_bcast: learner_broadcast_seconds
     ignore=frozenset({"enabled", "delivered_mu", "active", "plan", "log", "t_bcast"}),

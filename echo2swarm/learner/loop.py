@@ -239,7 +239,7 @@ class Learner:
         self.intake.reissue([g for g in groups if (g.peer_id, g.prompt_id) in thrown])
         verified = [g for g in groups if (g.peer_id, g.prompt_id) not in thrown]
         self.intake.verified(verified)  # graduation from probation (learner/accountability.py)
-        self.activation.on_verified(verified)  # what activation plans with (learner/activation_loop.py)
+        self.activation.on_verified(g.peer_id for g in verified)  # what activation plans with (learner/activation_loop.py)
 
     def _write_metrics(self, groups: list[Group], stats: dict[str, Any], *, trained_version: int, started: float,
                        step_started: float, waited: float, busy: float, t_publish: float) -> None:
