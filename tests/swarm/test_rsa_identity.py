@@ -32,3 +32,23 @@ def test_a_hivemind_rsa_identity_joins_with_auto_relay_and_signs_its_card(local_
     with SwarmWatcher(local_swarm.bootstrap_addr, local_swarm.swarm) as watcher:
         # Its card carries its RSA public key (the peer id is a hash of it) and every reader verifies it.
         wait_until(lambda: key.peer_id in watcher.peers(), timeout=30, what="the RSA peer's card to be read")
+
+
+def test_doctor_reads_the_identity_file_as_the_daemon_does(tmp_path: Path, policy_key: Path):
+    import json
+
+    from hivemind.p2p import P2P
+    from helpers.swarm import run_cli
+
+    rsa = tmp_path / "rsa.id"
+    P2P.generate_identity(str(rsa))
+    common = ["--role", "relay", "--json", "--timeout", "5", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--state-dir", str(tmp_path / "s")]
+    ok = run_cli("doctor", "--identity", str(rsa), *common, timeout=120)
+    checks = {c["name"]: c for c in json.loads(ok.stdout)}
+    assert checks["identity"]["status"] == "ok" and "RSA-2048" in checks["identity"]["detail"], checks
+    assert checks["p2pd"]["status"] == "ok" and PeerKey.load(rsa).peer_id in checks["p2pd"]["detail"], checks
+    # The policy key where the identity belongs: said at once, and nothing started on it.
+    bad = run_cli("doctor", "--identity", str(policy_key), *common, timeout=120)
+    checks = {c["name"]: c for c in json.loads(bad.stdout)}
+    assert bad.returncode == 1 and checks["identity"]["status"] == "fail" and "PEM" in checks["identity"]["detail"]
+    assert "p2pd" not in checks, "the network checks wait until the identity file is usable"
