@@ -327,6 +327,14 @@ class Daemon:
 
 def preflight(config: AnyDaemonConfig) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
+    identity = config.overlay.identity
+    if identity is not None and Path(identity).exists():  # a missing one is created at start
+        from echo2swarm.wire.peer_keys import PeerKey
+
+        try:
+            PeerKey.load(Path(identity))
+        except ValueError as e:
+            raise ValueError(f"--identity {identity}: {e}") from None
     if isinstance(config, LearnerConfig):
         from echo2swarm.learner.versions import model_files
         from echo2swarm.wire.signing import PolicyKey

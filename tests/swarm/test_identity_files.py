@@ -1,4 +1,5 @@
-"""An RSA identity file (what hivemind's `P2P.generate_identity` writes) runs a daemon with auto-relay on.
+"""Identity files: an RSA one (what hivemind's `P2P.generate_identity` writes) runs a daemon with
+auto-relay on; one the daemon cannot use is refused before anything starts, saying what to do.
 
 p2pd once panicked at start with such a file ("Daemon with autoRelay requires either -relayDiscovery=1
 or -trustedRelays"), reported as "could not reach any of --initial-peers" after under a second: hivemind's
@@ -52,3 +53,17 @@ def test_doctor_reads_the_identity_file_as_the_daemon_does(tmp_path: Path, polic
     checks = {c["name"]: c for c in json.loads(bad.stdout)}
     assert bad.returncode == 1 and checks["identity"]["status"] == "fail" and "PEM" in checks["identity"]["detail"]
     assert "p2pd" not in checks, "the network checks wait until the identity file is usable"
+
+
+def test_an_unusable_identity_file_is_refused_at_start_with_what_to_do(tmp_path: Path, policy_key: Path):
+    import time
+
+    from helpers.swarm import run_cli
+
+    started = time.monotonic()
+    result = run_cli("daemon", "--role", "relay", "--new-swarm", "--identity", str(policy_key),
+                     "--state-dir", str(tmp_path / "s"), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", timeout=60)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"error: --identity {policy_key}" in result.stderr and "PEM file" in result.stderr
+    assert "give --identity a path of its own" in result.stderr
+    assert not (tmp_path / "s").exists() and time.monotonic() - started < 30  # refused before the state dir, p2pd
