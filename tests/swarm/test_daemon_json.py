@@ -19,14 +19,20 @@ def test_daemon_json_reachability_follows_the_card(local_swarm: LocalSwarm) -> N
     assert boot.info["reachability"] == "unknown"  # nobody to ask yet
     local_swarm.ready(local_swarm.start("relay", "--role", "relay"))
     assert local_swarm.bootstrap_addr is not None
+    seen: dict[str, object] = {}
+
+    def agree() -> bool:
+        """The card (as the swarm reads it) and daemon.json both say public, with the same addresses."""
+        card = watcher.peers().get(boot.info["peer_id"])
+        info = json.loads((boot.state_dir / "daemon.json").read_text())
+        seen.update(card=card and {k: card[k] for k in ("reachability", "maddrs")},
+                    daemon_json={k: info[k] for k in ("reachability", "card_maddrs", "pid")})
+        return bool(card and card["reachability"] == info["reachability"] == "public"
+                    and info["card_maddrs"] == card["maddrs"] and info["pid"] == boot.pid)
+
     with SwarmWatcher(local_swarm.bootstrap_addr, local_swarm.swarm) as watcher:
-        # The bootstrap asks the relay (its card says public) within 5 announce periods while unknown.
-        card = wait_until(lambda: (c := watcher.peers().get(boot.info["peer_id"])) and c["reachability"] == "public"
-                          and c, timeout=45, what="the bootstrap's card to say public")
-
-        def written() -> dict[str, object] | None:
-            info = json.loads((boot.state_dir / "daemon.json").read_text())
-            return info if info["reachability"] == "public" else None
-
-        info = wait_until(written, timeout=10, what="daemon.json to say public as the card does")
-    assert info["card_maddrs"] == card["maddrs"] and info["pid"] == boot.pid
+        # The bootstrap asks the relay (its card says public) every 5 announce periods while unknown.
+        try:
+            wait_until(agree, timeout=60, what="the bootstrap's card and daemon.json to say public alike")
+        except TimeoutError:
+            pytest.fail(f"last seen: {seen}")
