@@ -1,7 +1,8 @@
 """`echo2swarm doctor`: the checks a peer needs before it joins, each with what to do when it fails.
 
-    identity file readable ─► ports free ─► p2pd starts ─► each --initial-peers address answers ─► a public peer dials us back
-    (reachability, chunk server) and tells its clock (skew) ─► free disk ─► engine and device
+    identity file usable ─► ports free ─► p2pd starts ─► each --initial-peers address answers
+    ─► a public peer dials us back (reachability, chunk server) and tells its clock (skew)
+    ─► free disk ─► engine and device
 
 The dial-back is the daemon's own probe (overlay/reachability.py); the doctor listens where the
 daemon would (its --host-maddrs, a chunk server on --chunk-port answering /v1/info as this peer),
