@@ -8,7 +8,7 @@ Back-pressure: the follower fetches one version at a time with a bounded number 
 flight; the chunk server caps concurrent responses. Every daemon runs one HTTP server: /metrics
 (daemon/prometheus.py) and /v1/info always, chunks for other peers unless it is a bootstrap or
 `--no-chunk-server`. `daemon.json` in the state dir tells tests and tools the peer id, multiaddrs,
-chunk URL and HTTP URL without parsing logs.
+chunk URL and HTTP URL without parsing logs, and the card's reachability as it changes.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ class Daemon:
         self.reach: ReachabilityTracker | None = None
         self.dialback: DialbackService | None = None
         self.p2p_served_to: Any = None  # policy.p2p.ServedTo once the libp2p chunk service runs
+        self.ready_written = False  # daemon.json is there (rewritten when the card's reachability changes)
 
     # -- records -------------------------------------------------------------------------------
     def card(self, state: str | None = None) -> PeerCard:
@@ -175,6 +176,8 @@ class Daemon:
             try:
                 if await self.reach.update(self.chunk_url):
                     self.ctx.overlay.advertise(self.reach.card_chunk_url(self.chunk_url), self.reach.maddrs)
+                    if self.ready_written and not self.stop_event.is_set():  # daemon.json says what the card says
+                        self._write_ready_file()
             except Exception:
                 logger.exception("reachability check failed; keeping the last result")
 
@@ -182,11 +185,10 @@ class Daemon:
         head = self.service.head() if self.service is not None else None
         return None if head is None else head.model_dump_json().encode()
 
-    def _write_ready_file(self) -> None:
+    def ready_info(self) -> dict[str, Any]:
+        """What daemon.json holds (docs/protocol.md §8.1); its reachability and card addresses are the card's."""
         assert self.ctx is not None
-        path = Path(self.config.state_dir) / "daemon.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({
+        return {
             "peer_id": self.ctx.overlay.peer_id,
             "role": self.config.role,
             "swarm": self.config.overlay.swarm,
@@ -197,8 +199,16 @@ class Daemon:
             "http_url": self.http_url,
             "pid": os.getpid(),
             "software": __version__,
-        }, indent=2))
+        }
+
+    def _write_ready_file(self) -> None:
+        """Written once the role service has started, and again whenever the card's reachability or
+        addresses change, so that it never says other than the card."""
+        path = Path(self.config.state_dir) / "daemon.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.ready_info(), indent=2))
         os.replace(tmp, path)
+        self.ready_written = True
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def _supervise(self, service: RoleService) -> None:
@@ -317,6 +327,14 @@ class Daemon:
 
 def preflight(config: AnyDaemonConfig) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
+    identity = config.overlay.identity
+    if identity is not None and Path(identity).exists():  # a missing one is created at start
+        from echo2swarm.wire.peer_keys import PeerKey
+
+        try:
+            PeerKey.load(Path(identity))
+        except ValueError as e:
+            raise ValueError(f"--identity {identity}: {e}") from None
     if isinstance(config, LearnerConfig):
         from echo2swarm.learner.versions import model_files
         from echo2swarm.wire.signing import PolicyKey
