@@ -7,7 +7,7 @@ Ed25519 keys and properly signed cards, each measured against the step rate befo
   2. a crowd: a hundred keys each take what a newcomer is given and never deliver, asking again
      whenever they hold nothing, cards alive.
 The learner keeps at least half its step rate under each, and no delivering peer is on standby
-longer than one re-plan period.
+longer than one re-plan period in favour of a fresh identity.
 """
 
 from __future__ import annotations
@@ -35,27 +35,28 @@ WINDOW_S = 15.0  # each measurement: the steps the learner makes in this many se
 
 class StepRate:
     """Learner steps per second over a window, read from its /v1/info; and, sampled meanwhile, the
-    longest stretch each honest peer spent on standby."""
+    longest stretch during which a fresh identity was in the plan's active set while an honest,
+    delivering peer was on standby (the plan may legitimately keep an honest peer idle when the
+    other one meets the floor alone: that is not the attack)."""
 
     def __init__(self, info_url: str, honest: set[str]):
         self.info_url, self.honest = info_url, honest
-        self.standby_s: dict[str, float] = {p: 0.0 for p in honest}
+        self.displaced_s = 0.0
 
-    def measure(self, seconds: float) -> float:
-        since: dict[str, float] = {}
+    def measure(self, seconds: float, strangers: set[str] = frozenset()) -> float:
+        since: float | None = None
         first = self._stats()
         started = time.monotonic()
         while time.monotonic() - started < seconds:
             stats = self._stats()
             now = time.monotonic()
             plan = stats["capacity"]["plan"] if stats["capacity"]["planned"] else {}
-            standby = set(plan.get("standby", ())) & self.honest
-            for peer in self.honest:
-                if peer in standby:
-                    since.setdefault(peer, now)
-                    self.standby_s[peer] = max(self.standby_s[peer], now - since[peer])
-                else:
-                    since.pop(peer, None)
+            displaced = set(plan.get("standby", ())) & self.honest and set(plan.get("active", ())) & strangers
+            if displaced:
+                since = now if since is None else since
+                self.displaced_s = max(self.displaced_s, now - since)
+            else:
+                since = None
             time.sleep(0.25)  # poll interval of the sampler
         last = self._stats()
         return (last["steps_done"] - first["steps_done"]) / (time.monotonic() - started)
@@ -236,19 +237,19 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
     crowd = Crowd(swarm.bootstrap_addr, learner.maddr, info["peer_id"], swarm.swarm)
     try:
         crowd.burst(BURST, right_answer_ids(tiny_model_dir))
-        during_burst = rate.measure(WINDOW_S)
+        during_burst = rate.measure(WINDOW_S, {k.peer_id for k in crowd.keys})
         crowd.crowd(CROWD)
         wait_until(lambda: crowd.stats["leases"] + crowd.stats["waits"] >= CROWD, 120, interval=0.5,
                    what="every sybil to have asked for work")
-        during_crowd = rate.measure(WINDOW_S)
+        during_crowd = rate.measure(WINDOW_S, {k.peer_id for k in crowd.keys})
     finally:
         crowd.close()
     stats = http_json(info_url)["stats"]
     print(f"step rate before {before:.2f}/s, burst {during_burst:.2f}/s ({during_burst / before:.2f}x), crowd "
-          f"{during_crowd:.2f}/s ({during_crowd / before:.2f}x); longest standby {rate.standby_s}; crowd {crowd.stats}; "
+          f"{during_crowd:.2f}/s ({during_crowd / before:.2f}x); honest displaced {rate.displaced_s:.1f} s; crowd {crowd.stats}; "
           f"peers {stats['peers']}")
     assert crowd.stats["submitted"] >= 1  # the burst delivered
     assert during_burst >= 0.5 * before, (before, during_burst)
     assert during_crowd >= 0.5 * before, (before, during_crowd)
-    assert max(rate.standby_s.values()) <= REPLAN_S + 1.0, rate.standby_s
+    assert rate.displaced_s <= REPLAN_S + 1.0, rate.displaced_s
     assert stats["peers"].get("newcomer_pool_full", 0) > 0  # the crowd met the newcomers' pool
