@@ -1,0 +1,75 @@
+"""The trainer's updates compute the loss grpo.py defines, whatever the memory settings: micro-batching
+changes no gradient."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from echo2swarm.config.rl import TrainConfig, VerifyConfig
+from echo2swarm.train.grpo import token_logprobs
+from echo2swarm.train.group import Group
+from echo2swarm.train.trainer import GRPOTrainer
+from helpers.groups import make_groups
+
+UNVERIFIED = VerifyConfig(enabled=False)
+
+
+def _stale(trainer: GRPOTrainer, groups: list[Group], seed: int = 0) -> list[Group]:
+    """The groups with behaviour logprobs 0.1 nats above to 0.5 below the trainer's own: importance
+    weights exp(proximal - behaviour) from 0.9 to 1.65, on both sides of a cap of 1.2."""
+    rng = random.Random(seed)
+    batch = trainer.build_batch(groups)
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    out, row = [], 0
+    for group in groups:
+        behaviour = []
+        for completion in group.completions:
+            own = lp[row, lp.shape[1] - len(completion):].tolist()
+            behaviour.append([v - rng.uniform(-0.1, 0.5) for v in own])
+            row += 1
+        out.append(replace(group, behaviour_logprobs=behaviour))
+    return out
+
+
+def _first_update_gradient(model_dir: Path, groups: list[Group], **fields) -> torch.Tensor:
+    """The gradient of the step's first optimizer update, as the optimizer receives it."""
+    config = TrainConfig(device="cpu", ppo_epochs=2, minibatches=1, is_cap=1.2, grad_clip=1e9, **fields)
+    trainer = GRPOTrainer(model_dir, config, verify=UNVERIFIED)
+    if trainer.reference is not None:  # a reference away from the policy, so the KL has a gradient
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in trainer.reference.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    seen: list[torch.Tensor] = []
+
+    def keep_gradient(optimizer, args, kwargs) -> None:
+        if not seen:
+            seen.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
+
+    trainer.optimizer.register_step_pre_hook(keep_gradient)
+    stats = trainer.step(groups, current_version=2)  # version-1 groups: stale, decoupled
+    assert stats["updates"] == 2 and stats["skipped_nonfinite"] == 0
+    return seen[0]
+
+
+KL = {"no KL": {}, "k3": {"kl_coef": 0.1, "kl_estimator": "k3"}, "k3_is": {"kl_coef": 0.1, "kl_estimator": "k3_is"}}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("loss_type", ["bnpo", "grpo", "dr_grpo", "dapo"])
+def test_micro_batches_change_no_gradient(tiny_model_dir: Path, loss_type: str) -> None:
+    base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"), verify=UNVERIFIED)
+    groups = _stale(base, make_groups(base, n_groups=2, group_size=5))  # 10 rows: micro-batches of 4, 3, 3
+    for is_mode in ("truncate", "mask"):
+        for kl_name, kl in KL.items():
+            fields = {"loss_type": loss_type, "is_mode": is_mode, **kl}
+            whole = _first_update_gradient(tiny_model_dir, groups, **fields)
+            split = _first_update_gradient(tiny_model_dir, groups, micro_batch_sequences=4, **fields)
+            error = float((split - whole).norm() / whole.norm())
+            assert error < 1e-6, (is_mode, kl_name, error)
