@@ -169,8 +169,9 @@ class GRPOTrainer(UpdatePath):
         """One GRPO step on ``groups`` (trained at policy version ``current_version``).
 
         Returns float stats of the objective averaged over the step's optimizer updates (``loss``,
-        ``clip_frac``, ``ratio_mean``, ``kl``, ``is_weight_mean``, ``is_truncated_frac``,
-        ``is_masked_frac``, ``is_ess``, ``offpolicy_gap_mean``; ``offpolicy_gap_max`` is the max),
+        ``ratio_mean``, ``kl``, ``is_weight_mean``, ``is_truncated_frac``, ``is_masked_frac``,
+        ``is_ess``, ``offpolicy_gap_mean``; ``offpolicy_gap_max`` is the max; ``clip_frac`` is the mean
+        over the updates after the first, which never clips: see `merge_updates`),
         ``grad_norm`` (mean), ``updates``, rewards and sizes of what trained, ``t_train_s``, and:
         ``refused_groups`` [(peer_id, prompt_id, reason)], ``verify_checked``, ``verify_exact``,
         ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``offpolicy_dropped``,

@@ -65,8 +65,10 @@ class UpdatePath:
                             group.peer_id[-8:], mean_gap, limit, group.version)
         return dropped
 
-    def _loss_options(self, step_tokens: float) -> LossOptions:
-        return LossOptions.from_config(self.config, global_tokens=max(step_tokens, 1.0) / max(1, self.config.minibatches))
+    def _loss_options(self, step_tokens: float, minibatches: int) -> LossOptions:
+        """The config's loss options; 'dapo' normalises by the step's tokens over the ``minibatches``
+        each pass of the step makes (not the configured number: a step with fewer groups makes fewer)."""
+        return LossOptions.from_config(self.config, global_tokens=max(step_tokens, 1.0) / minibatches)
 
     def _objective(self, logprobs: torch.Tensor, proximal: torch.Tensor | None, batch: Batch,
                    step_tokens: float, current_version: int) -> dict[str, float]:
@@ -78,7 +80,7 @@ class UpdatePath:
                                      temperature=self.config.temperature)
         loss, stats = grpo_loss(logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
                                 proximal_logprobs=proximal, ref_logprobs=ref,
-                                options=self._loss_options(step_tokens))
+                                options=self._loss_options(step_tokens, minibatches=1))
         return {**stats, **self._update(loss, current_version)}
 
     def _minibatch_updates(self, batch: Batch, proximal: torch.Tensor, rows: list[range],
@@ -97,7 +99,7 @@ class UpdatePath:
                                      device=self.device)
                 sub, first = batch.select(index)
                 sub_proximal = proximal.index_select(0, index)[:, first:] if decoupled else None
-                out.append(self._accumulated_update(sub, sub_proximal, self._loss_options(step_tokens),
+                out.append(self._accumulated_update(sub, sub_proximal, self._loss_options(step_tokens, parts),
                                                     current_version))
         return out
 
@@ -212,11 +214,16 @@ class UpdatePath:
 
 
 def merge_updates(updates: list[dict[str, float]]) -> dict[str, Any]:
-    """One step's stats from its updates' stats: means, except the max gap and the count of skips."""
+    """One step's stats from its updates' stats: means, except the max gap, the count of skips, and
+    ``clip_frac``, the mean over the updates after the first: the first starts at the proximal policy
+    (ratio 1), so it never clips, and a mean with it would halve the share at the default 2 x 1."""
     out: dict[str, Any] = {}
     for key in updates[0]:
         values = [u[key] for u in updates]
-        if key == "offpolicy_gap_max":
+        if key == "clip_frac":
+            later = values[1:] or values
+            out[key] = sum(later) / len(later)
+        elif key == "offpolicy_gap_max":
             out[key] = max(values)
         elif key == "skipped_nonfinite":
             out[key] = int(sum(values))

@@ -1,5 +1,6 @@
 """The trainer's updates compute the loss grpo.py defines, whatever the memory settings: micro-batching
-changes no gradient."""
+changes no gradient, 'dapo' divides by the minibatches a step makes, and the step's clip share
+leaves out the update that cannot clip."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.grpo import token_logprobs
 from echo2swarm.train.group import Group
 from echo2swarm.train.trainer import GRPOTrainer
+from echo2swarm.train.updates import merge_updates
 from helpers.groups import make_groups
 
 UNVERIFIED = VerifyConfig(enabled=False)
@@ -73,3 +75,33 @@ def test_micro_batches_change_no_gradient(tiny_model_dir: Path, loss_type: str) 
             split = _first_update_gradient(tiny_model_dir, groups, micro_batch_sequences=4, **fields)
             error = float((split - whole).norm() / whole.norm())
             assert error < 1e-6, (is_mode, kl_name, error)
+
+
+@pytest.mark.timeout(120)
+def test_dapo_divides_by_the_minibatches_the_step_makes(tiny_model_dir: Path) -> None:
+    def step(groups: list[Group], **fields) -> dict:
+        config = TrainConfig(device="cpu", ppo_epochs=1, **fields)
+        return GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED).step(groups, current_version=1)
+
+    base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"), verify=UNVERIFIED)
+    groups = make_groups(base, n_groups=2)
+    # One group, minibatches = 4: one minibatch holding every token of the step, so the token sum
+    # over the step's tokens is the token mean.
+    dapo, bnpo = step(groups[:1], loss_type="dapo", minibatches=4), step(groups[:1], loss_type="bnpo", minibatches=4)
+    assert dapo["updates"] == 1
+    assert dapo["loss"] == pytest.approx(bnpo["loss"], rel=1e-6)
+    assert dapo["grad_norm"] == pytest.approx(bnpo["grad_norm"], rel=1e-6)
+    # Two groups: minibatches = 4 makes the same two minibatches as minibatches = 2.
+    four, two = step(groups, loss_type="dapo", minibatches=4), step(groups, loss_type="dapo", minibatches=2)
+    assert four["updates"] == two["updates"] == 2
+    assert four["loss"] == pytest.approx(two["loss"], rel=1e-6)
+    assert four["grad_norm"] == pytest.approx(two["grad_norm"], rel=1e-6)
+
+
+def test_the_step_clip_share_leaves_out_its_first_update() -> None:
+    # The first update starts at the proximal policy (ratio 1): it never clips.
+    updates = [{"loss": 1.0, "clip_frac": 0.0}, {"loss": 2.0, "clip_frac": 0.3}, {"loss": 3.0, "clip_frac": 0.1}]
+    merged = merge_updates(updates)
+    assert merged["clip_frac"] == pytest.approx(0.2)
+    assert merged["loss"] == pytest.approx(2.0)
+    assert merge_updates(updates[1:2])["clip_frac"] == pytest.approx(0.3)  # one update: its own share
