@@ -1,15 +1,17 @@
 """The trainer's updates compute the loss grpo.py defines, whatever the memory settings: micro-batching
-changes no gradient, 'dapo' divides by the minibatches a step makes, and the step's clip share
-leaves out the update that cannot clip."""
+changes no gradient, 'dapo' divides by the minibatches a step makes, the step's clip share leaves out
+the update that cannot clip, and the policy's forwards have no dropout."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.grpo import token_logprobs
@@ -105,3 +107,28 @@ def test_the_step_clip_share_leaves_out_its_first_update() -> None:
     assert merged["clip_frac"] == pytest.approx(0.2)
     assert merged["loss"] == pytest.approx(2.0)
     assert merge_updates(updates[1:2])["clip_frac"] == pytest.approx(0.3)  # one update: its own share
+
+
+@pytest.mark.timeout(120)
+def test_the_policy_forwards_have_no_dropout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The tiny model with attention dropout 0.5: scoring, proximal and objective forwards all give
+    # the logprobs the model gives in eval mode (what rollout peers sample with).
+    model_dir = tmp_path / "dropout"
+    model_dir.mkdir()
+    for path in tiny_model_dir.iterdir():
+        (model_dir / path.name).write_bytes(path.read_bytes())
+    config = json.loads((model_dir / "config.json").read_text())
+    config["attention_dropout"] = 0.5
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    trainer = GRPOTrainer(model_dir, TrainConfig(device="cpu"), verify=UNVERIFIED)
+    assert trainer.model.training  # activation checkpointing acts in training mode only
+    batch = trainer.build_batch(make_groups(trainer))
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = token_logprobs(reference, *args)
+        proximal = token_logprobs(trainer.model, *args)
+    objective = token_logprobs(trainer.model, *args)
+    torch.testing.assert_close(proximal, expected)
+    torch.testing.assert_close(objective.detach(), expected)
