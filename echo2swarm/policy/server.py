@@ -507,6 +507,7 @@ class ChunkServer:
                     client = request[CLIENT] = f"peer:{peer}"
         except CredentialRefused as e:
             self.stats[f"refused_auth_{e.reason}"] += 1
+            await self._paced(client)  # no honest client sends one: a loop of them costs us signature checks
             response = web.Response(status=401, text=f"credential refused: {e}")
             if past_cap is not None:
                 response.force_close()
