@@ -276,7 +276,7 @@ class Daemon:
             # swarm chunks only where there are chunks to serve and the chunk server is on.
             serves_chunks = config.role != "bootstrap" and config.chunk_server.enabled
             # The learner's step records (its MetricsLog, there once it started) feed its step metrics.
-            learner: Any = service if isinstance(config, LearnerConfig) else None
+            learner: Any = hosted.learner if isinstance(config, LearnerConfig) else None
             registry = daemon_registry(self.info, versions.versions, lambda: learner.metrics if learner else None)
             routes = [*service.http_routes(), metrics_route(registry)]
             self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes, routes=routes,
