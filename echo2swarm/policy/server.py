@@ -368,9 +368,10 @@ class ChunkServer:
     a working peer's credential and the reserve has room: then the connection is the peer's
     (`promoted_connections`). Past twice a cap it is closed at accept (`dropped_connections`).
 
-    A client refused a held request or a connection again within `retry_after_s` of its last such
-    refusal gets the answer only when that time is up (`paced_refusals`): the wait it was told to
-    keep, kept for it, so ignoring Retry-After does not turn refusals into a busy loop.
+    A client refused again (a held request, a chunk request past a connection cap, a credential)
+    within `retry_after_s` of its last such refusal gets the answer only when that time is up
+    (`paced_refusals`): the wait it was told to keep, kept for it, so ignoring Retry-After does not
+    turn refusals into a busy loop.
     """
 
     def __init__(
