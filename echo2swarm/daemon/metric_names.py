@@ -87,7 +87,8 @@ SERVER = Section(
         "wait_unseen": _one(counter("server_unseen_version_requests_total",
                                     "Chunk requests naming a version this daemon has not seen signed (answered at once).")),
         "dropped_connections": _one(counter("server_dropped_connections_total",
-                                            "Connections closed at accept: past twice a connection cap.")),
+                                            "Connections dropped unread (closed after Retry-After): past twice a "
+                                            "connection cap.")),
         "p2p_refused": _one(counter("server_p2p_refused_total",
                                     "libp2p chunk requests refused (also counted by reason in server_refused_total).")),
         "uplink_bps": _one(gauge("server_uplink_bytes_per_second", "Upload bytes/s this daemon's uploads sustained "

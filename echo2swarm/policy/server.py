@@ -342,9 +342,10 @@ class ChunkService:
 class _Connection:
     client: str  # ip:<address>
     refusal: Refused | None  # past a connection cap: answered once, then closed (unless a working peer's)
-    dropped: bool = False  # past twice a cap: closed at accept, never answered
+    dropped: bool = False  # past twice a cap: never read or answered
     unit: str | None = None  # the client its connection unit is held for: `client`, or peer:<id> once promoted
     working: bool = False  # that unit is a working peer's (it may be from the reserve)
+    held_shut: bool = False  # dropped, and held unread until it is closed
 
 
 class ChunkServer:
@@ -366,7 +367,8 @@ class ChunkServer:
     of requests. Past a cap, its first request is answered once (chunk and held requests with the
     refusal, other requests from the control budget) and it is closed, unless that request carries
     a working peer's credential and the reserve has room: then the connection is the peer's
-    (`promoted_connections`). Past twice a cap it is closed at accept (`dropped_connections`).
+    (`promoted_connections`). Past twice a cap it is dropped (`dropped_connections`): never read,
+    and closed after `retry_after_s` (at once past another `max_connections` of those).
 
     A client refused again (a held request, a chunk request past a connection cap, a credential)
     within `retry_after_s` of its last such refusal gets the answer only when that time is up
@@ -394,6 +396,7 @@ class ChunkServer:
         self._connections: dict[object, _Connection] = {}  # aiohttp's RequestHandler -> its client and standing
         self._per_client: Counter[str] = Counter()  # open connections by client, budget or not
         self._refused_at: OrderedDict[str, float] = OrderedDict()  # client -> its last unpaced refusal (monotonic)
+        self._held_shut = 0  # dropped connections held unread until they are closed
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -419,7 +422,15 @@ class ChunkServer:
         if len(self._connections) >= 2 * budget.total or self._per_client[client] > 2 * budget.per_client:
             self._connections[handler] = _Connection(client, None, dropped=True)
             self.stats["dropped_connections"] += 1
-            transport.abort()  # aiohttp still reports the loss, which forgets it
+            if self._held_shut < budget.total:
+                # Not read, closed after retry_after_s: one dropped at once is back at once, in a loop
+                # that costs us an accept each time (up to max_connections of them; past that, at once).
+                self._held_shut += 1
+                self._connections[handler].held_shut = True
+                transport.pause_reading()
+                asyncio.get_running_loop().call_later(self.config.retry_after_s, transport.abort)
+            else:
+                transport.abort()  # aiohttp still reports the loss, which forgets it
         else:
             self._connections[handler] = _Connection(client, budget.acquire(client), unit=client)
         self.stats["open_connections"] = len(self._connections)
@@ -428,6 +439,7 @@ class ChunkServer:
         conn = self._connections.pop(handler, None)
         if conn is None:
             return
+        self._held_shut -= conn.held_shut
         self._per_client[conn.client] -= 1
         if self._per_client[conn.client] <= 0:
             del self._per_client[conn.client]
@@ -435,15 +447,13 @@ class ChunkServer:
             self.service.connections.release(conn.unit or conn.client, conn.working)
         self.stats["open_connections"] = len(self._connections)
 
-    def _promote(self, conn: _Connection, peer: str) -> bool:
+    def _promote(self, conn: _Connection, peer: str) -> None:
         """A connection past its cap whose first request proved a working peer: take a unit (from the
-        reserve if need be) for that peer. False: even that is full."""
+        reserve if need be) for that peer; if even that is full, it stays past its cap."""
         unit = f"peer:{peer}"
-        if self.service.connections.acquire(unit, working=True) is not None:
-            return False
-        conn.refusal, conn.unit, conn.working = None, unit, True
-        self.stats["promoted_connections"] += 1
-        return True
+        if self.service.connections.acquire(unit, working=True) is None:
+            conn.refusal, conn.unit, conn.working = None, unit, True
+            self.stats["promoted_connections"] += 1
 
     # -- requests ------------------------------------------------------------------------------
     def _client(self, request: web.Request) -> str:
@@ -465,6 +475,23 @@ class ChunkServer:
         if not any_peer and check.claimed(header) not in self.service.working:
             return None
         return check.verify(header, request.path)
+
+    def _identify(self, request: web.Request, conn: _Connection | None, chunk: bool) -> None:
+        """Where a credential matters (chunk and held requests, a connection past its cap), check it: a
+        working peer's request then counts against its peer id, and a connection past its cap becomes
+        that peer's if there is room. Raises CredentialRefused."""
+        past_cap = conn is not None and conn.refusal is not None
+        if not (chunk or past_cap):
+            return
+        peer = self._signed_by(request, any_peer=request.match_info.route.name == "chunk")
+        if peer is None:
+            return
+        request[SIGNED_BY] = peer
+        if peer in self.service.working:
+            if past_cap:
+                assert conn is not None
+                self._promote(conn, peer)
+            request[CLIENT] = f"peer:{peer}"
 
     def _refusal(self, refusal: Refused, close: bool) -> web.Response:
         response = web.Response(status=refusal.status, text=refusal.text,
@@ -492,27 +519,20 @@ class ChunkServer:
             self.stats["refused_body"] += 1
             raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length)
         conn = self._connections.get(request.protocol)
-        client = self._client(request)
-        past_cap = conn.refusal if conn is not None else None
         route = request.match_info.route.name
         # a head long-poll is held like a chunk request, outside the control reserve (HeadWatch)
         chunk = route == "chunk" or (route == "head" and "wait" in request.query)
         try:
-            if chunk or past_cap is not None:
-                peer = self._signed_by(request, any_peer=route == "chunk")
-                if peer is not None:
-                    request[SIGNED_BY] = peer
-                if peer is not None and peer in self.service.working:
-                    if past_cap is not None and conn is not None and self._promote(conn, peer):
-                        past_cap = None
-                    client = request[CLIENT] = f"peer:{peer}"
+            self._identify(request, conn, chunk)
         except CredentialRefused as e:
             self.stats[f"refused_auth_{e.reason}"] += 1
-            await self._paced(client)  # no honest client sends one: a loop of them costs us signature checks
+            await self._paced(self._client(request))  # no honest client sends one: a loop would cost us checks
             response = web.Response(status=401, text=f"credential refused: {e}")
-            if past_cap is not None:
+            if conn is not None and conn.refusal is not None:
                 response.force_close()
             return response
+        client = self._client(request)
+        past_cap = conn.refusal if conn is not None else None
         try:
             if chunk and past_cap is not None:
                 self.service.count(past_cap)

@@ -12,9 +12,8 @@ answer only then.
 The attacker is a separate process in a cgroup of its own with a CPU quota, so what is measured is
 the server's budgets, not CPU taken by the attacker's own loop. From ADDRESSES loopback addresses
 (127.0.0.x, each bound as the source address) it keeps CONNECTIONS connections each holding a
-long-poll for a head nobody will publish, and re-sends the moment one is answered, whatever the
-answer and its Retry-After. It stays under twice max_connections: past that, connections are
-closed at accept, and a flood of bare connections is the network's to stop (protocol.md §6).
+long-poll for a head nobody will publish, and re-sends (or reconnects) the moment one is answered,
+whatever the answer and its Retry-After.
 
 Run as a script (`python test_held_flood.py HOST PORT FIRST_ADDRESS ADDRESSES CONNECTIONS`) this
 file is that attacker: it waits for a line on stdin (the test puts it in its cgroup first), then
@@ -39,7 +38,7 @@ from typing import Any
 
 HOLD_PATH = "/v1/head?after=999999999999&wait=15"  # a head nobody will publish: held the whole wait
 ADDRESSES = 12  # source addresses, 127.0.0.FIRST .. FIRST+11: more than any per-address cap assumes
-CONNECTIONS = 40  # per address: past its share (32); all together past max_connections (256), under twice it
+CONNECTIONS = 48  # per address: past its share (32); together (576) past twice max_connections (512)
 ATTACKER_CPUS = 0.25  # the attacker's CPU quota (cpu.max), in CPUs
 FIRST_ADDRESS = 20
 

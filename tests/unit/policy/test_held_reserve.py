@@ -249,3 +249,33 @@ def test_a_connection_past_the_others_share_is_kept_for_a_working_peer(tmp_path:
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_a_dropped_connection_is_held_unread_for_retry_after_then_closed(tmp_path: Path):
+    server = _server(tmp_path, working=[], max_connections=12, control_slots=2, max_waiting=6, upload_slots=2,
+                     retry_after_s=1)  # 6 connections per address, dropped past 12
+
+    async def main() -> None:
+        port = await server.start()
+        writers: list[asyncio.StreamWriter] = []
+        try:
+            for _ in range(12):
+                _, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.10", 0))
+                writers.append(writer)
+            await _until(lambda: server.stats["open_connections"] == 12, "12 connections")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.10", 0))
+            writers.append(writer)
+            started = time.monotonic()
+            writer.write(b"GET /v1/info HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                answer = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionError:
+                answer = b""
+            assert answer == b"" and 0.5 <= time.monotonic() - started < 3  # never read, closed after ~1 s
+            assert server.stats["dropped_connections"] == 1
+        finally:
+            for w in writers:
+                w.close()
+            await server.stop()
+
+    asyncio.run(main())
