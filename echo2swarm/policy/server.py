@@ -345,7 +345,6 @@ class _Connection:
     dropped: bool = False  # past twice a cap: never read or answered
     unit: str | None = None  # the client its connection unit is held for: `client`, or peer:<id> once promoted
     working: bool = False  # that unit is a working peer's (it may be from the reserve)
-    held_shut: bool = False  # dropped, and held unread until it is closed
 
 
 class ChunkServer:
@@ -394,9 +393,9 @@ class ChunkServer:
         self.head_watch = HeadWatch(head, ready=lambda version: service.plan(version) is not None)
         self.stats = service.stats
         self._connections: dict[object, _Connection] = {}  # aiohttp's RequestHandler -> its client and standing
-        self._per_client: Counter[str] = Counter()  # open connections by client, budget or not
+        self._per_client: Counter[str] = Counter()  # open connections by client, budget or not (not dropped ones)
         self._refused_at: OrderedDict[str, float] = OrderedDict()  # client -> its last unpaced refusal (monotonic)
-        self._held_shut = 0  # dropped connections held unread until they are closed
+        self._dropped = 0  # dropped connections not closed yet (held unread, or aborted and not yet reported lost)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -417,21 +416,21 @@ class ChunkServer:
     def _connection_made(self, handler: object, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         client = f"ip:{peer[0]}" if isinstance(peer, tuple) and peer else "ip:?"
-        self._per_client[client] += 1
         budget = self.service.connections
-        if len(self._connections) >= 2 * budget.total or self._per_client[client] > 2 * budget.per_client:
+        live = len(self._connections) - self._dropped
+        if live >= 2 * budget.total or self._per_client[client] >= 2 * budget.per_client:
+            # Dropped: counted against nobody, never read, closed after retry_after_s (one closed at once is
+            # back at once, in a loop that costs us an accept each time); past max_connections of them, at once.
             self._connections[handler] = _Connection(client, None, dropped=True)
             self.stats["dropped_connections"] += 1
-            if self._held_shut < budget.total:
-                # Not read, closed after retry_after_s: one dropped at once is back at once, in a loop
-                # that costs us an accept each time (up to max_connections of them; past that, at once).
-                self._held_shut += 1
-                self._connections[handler].held_shut = True
+            self._dropped += 1
+            if self._dropped <= budget.total:
                 transport.pause_reading()
                 asyncio.get_running_loop().call_later(self.config.retry_after_s, transport.abort)
             else:
                 transport.abort()  # aiohttp still reports the loss, which forgets it
         else:
+            self._per_client[client] += 1
             self._connections[handler] = _Connection(client, budget.acquire(client), unit=client)
         self.stats["open_connections"] = len(self._connections)
 
@@ -439,12 +438,14 @@ class ChunkServer:
         conn = self._connections.pop(handler, None)
         if conn is None:
             return
-        self._held_shut -= conn.held_shut
-        self._per_client[conn.client] -= 1
-        if self._per_client[conn.client] <= 0:
-            del self._per_client[conn.client]
-        if conn.refusal is None and not conn.dropped:
-            self.service.connections.release(conn.unit or conn.client, conn.working)
+        if conn.dropped:
+            self._dropped -= 1
+        else:
+            self._per_client[conn.client] -= 1
+            if self._per_client[conn.client] <= 0:
+                del self._per_client[conn.client]
+            if conn.refusal is None:
+                self.service.connections.release(conn.unit or conn.client, conn.working)
         self.stats["open_connections"] = len(self._connections)
 
     def _promote(self, conn: _Connection, peer: str) -> None:
