@@ -158,15 +158,20 @@ class Attacker:
     """The attacking process, in `cage`; ended by its pid."""
 
     def __init__(self, host: str, port: int, cage: CpuCage):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        # Run as a script this file imports nothing but the standard library before it floods.
         self.proc = subprocess.Popen(
             [sys.executable, __file__, host, str(port), str(FIRST_ADDRESS), str(ADDRESSES), str(CONNECTIONS)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        cage.add(self.proc.pid)
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        try:
+            cage.add(self.proc.pid)
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BaseException:
+            self.proc.kill()  # never left running outside its cage, nor inside it
+            self.proc.wait(5)
+            raise
 
     def stop(self) -> list[dict[str, int]]:
         if self.proc.poll() is None:
