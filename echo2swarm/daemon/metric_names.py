@@ -72,8 +72,9 @@ def _one(family: Family) -> tuple[Family, None]:
 
 # -- the chunk server (every daemon with one; stats.server) -------------------------------------
 SERVER_REFUSED = counter("server_refused_total", "Requests the HTTP and libp2p chunk server refused, by reason: a "
-                         "budget full (`<budget>` for everyone, `<budget>_per_client` for one client), `body`, or an "
-                         "HTTP status (`404`: not held).", "reason")
+                         "budget full (`<budget>` for everyone not seen working, `<budget>_reserve` for working peers "
+                         "too, `<budget>_per_client` for one client), `auth_forged` or `auth_replayed` (a credential, "
+                         "401), `body`, or an HTTP status (`404`: not held).", "reason")
 SERVER = Section(
     keys={
         "bytes_served": _one(counter("server_sent_bytes_total", "Chunk bytes this daemon uploaded to other peers.")),
@@ -86,15 +87,28 @@ SERVER = Section(
         "wait_unseen": _one(counter("server_unseen_version_requests_total",
                                     "Chunk requests naming a version this daemon has not seen signed (answered at once).")),
         "dropped_connections": _one(counter("server_dropped_connections_total",
-                                            "Connections closed at accept: past twice a connection cap.")),
+                                            "Connections dropped unread (closed after Retry-After): past twice a "
+                                            "connection cap.")),
         "p2p_refused": _one(counter("server_p2p_refused_total",
                                     "libp2p chunk requests refused (also counted by reason in server_refused_total).")),
         "uplink_bps": _one(gauge("server_uplink_bytes_per_second", "Upload bytes/s this daemon's uploads sustained "
                                  "while busy (measured; absent until measured).")),
+        "working_peers": _one(gauge("server_working_peers", "Peers seen working lately (groups the learner accepted, "
+                                    "whole versions fetched here): who may take the budgets' reserves.")),
+        "paced_refusals": _one(counter("server_paced_refusals_total", "HTTP refusals (held requests, connections "
+                                       "past a cap) answered only once the client's last Retry-After was up.")),
+        "promoted_connections": _one(counter("server_promoted_connections_total", "HTTP connections past the "
+                                             "others' share kept for a working peer whose credential came first.")),
     },
     prefixes={
         "open_": gauge("server_budget_in_use", "Units of each chunk-server budget in use now "
                        "(connections, streams, control, waiting, uploads).", "budget"),
+        "working_open_": gauge("server_working_budget_in_use", "Units of each budget with a reserve (connections, "
+                               "streams, waiting) held by peers seen working now.", "budget"),
+        "working_seen_": counter("server_working_seen_total", "Times a peer was seen working, by how: `delivery` "
+                                 "(groups the learner accepted), `fetch` (a whole version's worth fetched here).", "how"),
+        "auth_": counter("server_credentials_total", "HTTP request credentials (X-E2S-Peer) checked, by outcome: ok, "
+                         "malformed, stale, forged, replayed.", "outcome"),
         "refused_": SERVER_REFUSED,
     },
     # the 503s and 429s among the reasons; the busy windows behind uplink_bps (a list)

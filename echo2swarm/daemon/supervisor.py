@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,19 @@ from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard
 
 logger = get_logger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
+
+
+def _delivered(learner: Any) -> Callable[[], Mapping[str, int]]:
+    """Groups the learner's intake accepted per peer id (`Intake.delivered`), banned peers left out."""
+
+    def counts() -> Mapping[str, int]:
+        intake = learner.intake  # None until the learner started
+        if intake is None:
+            return {}
+        bans = learner.ledger.bans
+        return {peer: n for peer, n in intake.delivered.items() if peer not in bans}
+
+    return counts
 
 
 def make_service(config: AnyDaemonConfig, ctx: DaemonContext) -> RoleService:
@@ -137,6 +151,7 @@ class Daemon:
             stats["server"] = dict(self.chunk_service.stats)
             stats["server"]["uplink_bps"] = self.chunk_service.uplink.estimate()
             stats["server"]["uplink_windows"] = [round(r) for r in self.chunk_service.uplink.rates]
+            stats["server"]["working_peers"] = len(self.chunk_service.working)
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         return {
             "peer_id": self.ctx.overlay.peer_id,
@@ -257,8 +272,12 @@ class Daemon:
             announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
             self.ctx = DaemonContext(overlay, chunks, versions, session, inflight, announcer)
             self.service = service = make_service(config, self.ctx)
+            # The learner's reserves of held requests and connections go to the peers whose groups it accepted
+            # (its loop is LearnerService.learner).
+            hosted: Any = service
+            work = [_delivered(hosted.learner)] if isinstance(config, LearnerConfig) else []
             self.chunk_service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit),
-                                              inflight, plan=service.signed_plan)
+                                              inflight, plan=service.signed_plan, peer_id=overlay.peer_id, work=work)
             if config.role != "bootstrap":
                 from echo2swarm.policy.p2p import serve_p2p
 
@@ -267,7 +286,7 @@ class Daemon:
             # swarm chunks only where there are chunks to serve and the chunk server is on.
             serves_chunks = config.role != "bootstrap" and config.chunk_server.enabled
             # The learner's step records (its MetricsLog, there once it started) feed its step metrics.
-            learner: Any = service if isinstance(config, LearnerConfig) else None
+            learner: Any = hosted.learner if isinstance(config, LearnerConfig) else None
             registry = daemon_registry(self.info, versions.versions, lambda: learner.metrics if learner else None)
             routes = [*service.http_routes(), metrics_route(registry)]
             self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes, routes=routes,

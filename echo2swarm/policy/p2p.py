@@ -88,7 +88,7 @@ def p2p_handler(service: ChunkService, served_to: ServedTo | None = None) -> Han
                     size = f.seek(0, 2)
                     await out.header(200, size)
                     f.seek(0)
-                    await service.upload(f, out.write)
+                    await service.upload(f, out.write, peer=client.removeprefix("peer:"))
                     if served_to is not None:
                         served_to.add(client.removeprefix("peer:"), size)
         else:
