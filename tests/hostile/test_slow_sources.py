@@ -25,13 +25,13 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers.rogue import training_swarm
-from helpers.swarm import LocalSwarm, http_json, read_metrics, wait_until
+from helpers.rogue import PACED
+from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 HOST = "127.0.0.1"
 IDENTITIES = 5
-STALENESS = 1  # training_swarm's learner (tests/helpers/swarm.learner_toml)
+STALENESS = 1  # the learner's S
 DRIP_EVERY_S = 2.0  # a byte this often: never a stall (fetch.stall_timeout_s is 15 s), far below the minimum rate
 BASELINE_STEPS = 8
 
@@ -193,14 +193,24 @@ class LagSampler:
 def test_fresh_slow_identities_one_after_another_cost_duplicates_not_stalls(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    learner, peer, learner_info, metrics = training_swarm(local_swarm, tiny_model_dir, policy_key, tmp_path,
-                                                          steps_first=3)
-    peer_info = peer.info["chunk_url"] + "/v1/info"
+    # training_swarm's shape (bootstrap, learner, one paced honest rollout peer), with weight decay: every
+    # step changes every weight, so every version has new chunks to fetch (content addressing makes an
+    # unchanged chunk free, and the untrained tiny model's steps may not move it).
+    local_swarm.bootstrap()
     assert local_swarm.bootstrap_addr
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=400, staleness=STALENESS,
+                          weight_decay=0.1)
+    learner = local_swarm.start("learner", "--config", str(config))
+    peer = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"), env=PACED)
+    local_swarm.ready(learner)
+    local_swarm.ready(peer)
+    learner_info, peer_info = learner.info["chunk_url"] + "/v1/info", peer.info["chunk_url"] + "/v1/info"
+    metrics = learner.state_dir / "run" / "metrics.jsonl"
+    wait_until(lambda: len(read_metrics(metrics)) >= 3, 120, what="the learner training on the honest peer")
     with SlowSources(learner.info["chunk_url"], local_swarm.bootstrap_addr, local_swarm.swarm, IDENTITIES) as rogues:
         # The step rate before: steps over the time they took, after the first 3 (start-up).
         first = len(read_metrics(metrics))
-        before = wait_until(lambda: (m := read_metrics(metrics)) if len(m) >= first + BASELINE_STEPS else None, 120,
+        before = wait_until(lambda: m if len(m := read_metrics(metrics)) >= first + BASELINE_STEPS else None, 120,
                             interval=0.2, what=f"{BASELINE_STEPS} steps before the attack")
         rate_before = (len(before) - first) / (before[-1]["time_s"] - before[first - 1]["time_s"])
         attack_started = time.monotonic()  # within 0.2 s of the last step before (the metrics' clock is the learner's)
