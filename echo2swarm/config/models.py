@@ -318,9 +318,8 @@ class FetchConfig(StrictModel):
     )
     hedge_after: float = Field(
         4.0, ge=0, le=100,
-        description="A chunk or manifest request that has run this many times the recent median chunk time (scaled "
-        "to its size) gets a second request, to the next source of its route; the first verified copy wins "
-        "(operations.md, 'Hedged requests'). 0: never.",
+        description="A request that has run this many times the recent median chunk time is hedged: the next "
+        "source is asked too, the first verified copy wins (operations.md, 'Hedged requests'). 0: never.",
     )
     hedge_min_s: float = Field(
         0.5, ge=0, le=600, description="Seconds a request runs at least before it is hedged, however fast the median.",
