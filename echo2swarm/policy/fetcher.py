@@ -14,7 +14,7 @@ Sources that misbehave are banned (`SourceBans`): a source that stalls, falls be
 `fetch.min_rate_bps` once a body has had `fetch.min_rate_grace_s`, is unreachable, or sends a
 truncated, oversized or wrong body is not asked again for `fetch.ban_s`, doubling with each repeat
 up to `fetch.ban_max_s`. The bans outlive the version fetch (the follower keeps one `SourceBans`
-for its lifetime), so a dripping peer costs one grace period, not one per chunk of every version.
+for its lifetime), so a dripping peer costs one hedge delay (or grace period), not one per chunk of every version.
 The learner (the publisher, the source of last resort) is never banned: when it misbehaves it is
 paused for `fetch.retry_backoff_s`, doubling, and asked again. A request that a hedge outpaced while
 it brought less than `fetch.min_rate_bps` is slow too (`hedge.outpaced_slow`): banned the same way,
