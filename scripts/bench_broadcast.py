@@ -154,6 +154,8 @@ def run_once(root: Path, model: Path, key: Path, n: int, mode: str, args: argpar
     children: set[int] = set()
     limit = ["--upload-limit", str(args.upload_limit)]
     env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    if args.hedge_after is not None:
+        env["ECHO2SWARM_FETCH__HEDGE_AFTER"] = str(args.hedge_after)
 
     def start(name: str, *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
         # Announce every 2 s rather than the loopback default 1 s: each DHT store and read costs every
@@ -279,6 +281,8 @@ def run_stream(root: Path, model: Path, key: Path, n: int, kind: str, args: argp
     # Heads reach the followers by their long-poll of the learner (fetch.head_wait_s); the DHT is read at
     # the default fetch.head_poll_s (2 s), not every 0.2 s: ten daemons polling it cost the 2 cores.
     env = {"ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    if args.hedge_after is not None:
+        env["ECHO2SWARM_FETCH__HEDGE_AFTER"] = str(args.hedge_after)
     if args.head_poll_s is not None:
         env["ECHO2SWARM_FETCH__HEAD_POLL_S"] = str(args.head_poll_s)
 
@@ -705,6 +709,8 @@ def main() -> None:
     parser.add_argument("--parallel-chunks", type=int, default=None,
                         help="chunks in flight per fetcher (default 4; with --wan the followers' default, "
                         "fetch.parallel_chunks)")
+    parser.add_argument("--hedge-after", type=float, default=None,
+                        help="the relays' fetch.hedge_after (default: theirs, 4); 0 turns hedging off, a baseline (not with --wan)")
     parser.add_argument("--modes", default="star,pipelined", help="comma-separated: star, pipelined")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one broadcast may take")
     parser.add_argument("--png", type=Path, help="write a plot of T_bcast vs N here")

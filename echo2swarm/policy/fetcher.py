@@ -228,6 +228,8 @@ class PolicyFetcher:
         rate = self.config.min_rate_bps
         for loser in losers:
             if loser.asked < winner.asked and outpaced_slow(loser.progress, now, rate):
+                self.stats["source_error"] += 1  # counted as the minimum-rate cut-off it stands in for
+                self.stats["source_slow"] += 1
                 age = now - (loser.progress.begun_at or now)
                 self._fault(loser.source, "slow", f"{what}: outpaced by {winner.source.name}, {loser.progress.received} "
                             f"bytes in {age:.1f} s, below {rate} bytes/s", publisher)

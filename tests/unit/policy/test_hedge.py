@@ -214,7 +214,7 @@ def _fetcher(tmp_path: Path, **config: object) -> PolicyFetcher:
 def test_a_dripping_source_costs_one_hedge_delay_is_banned_as_slow_and_its_bytes_are_counted(tmp_path: Path):
     fetcher = _fetcher(tmp_path, parallel_chunks=4, min_rate_grace_s=10.0)
     manifest, data = _version(8)
-    drip = Scripted("relay:drip", data, pieces=4000, every=0.5)  # a byte every 0.5 s
+    drip = Scripted("relay:drip", data, pieces=4000, every=2.0)  # a byte every 2 s
     learner = Scripted("learner:llll", data)
 
     async def scenario() -> float:
@@ -223,13 +223,14 @@ def test_a_dripping_source_costs_one_hedge_delay_is_banned_as_slow_and_its_bytes
         return time.monotonic() - started
 
     took = asyncio.run(scenario())
-    assert took < 2.0, f"{took:.1f} s: the fetch waited for the drip's grace (10 s)"
+    assert took < 5.0, f"{took:.1f} s: the fetch waited for the drip's grace (10 s)"
     stats = fetcher.stats
     assert 1 <= len(drip.asked) <= 4  # the first wave only: banned when outpaced, never asked again
     assert stats["bans_slow"] == 1 and fetcher.bans.reason(drip.name) == "slow"
+    assert stats["source_slow"] == stats["source_error"] >= 1  # counted as the cut-off it stands in for
     assert stats["hedges_fired"] == len(drip.asked) == stats["hedges_won"]
     assert stats["chunks_fetched"] == 8 and fetcher.bytes_from == {learner.name: 8 * 4000}
-    assert stats["hedge_bytes"] == len(drip.asked)  # one byte each before it was cancelled
+    assert stats["hedge_bytes"] == len(drip.asked)  # its first byte each, before it was cancelled
 
 
 def test_an_honest_source_outpaced_by_its_hedge_is_not_banned_and_a_losing_hedge_costs_its_bytes(tmp_path: Path):
@@ -248,7 +249,7 @@ def test_an_honest_source_outpaced_by_its_hedge_is_not_banned_and_a_losing_hedge
 
 
 def test_an_honest_broadcast_fires_no_hedge(tmp_path: Path):
-    fetcher = _fetcher(tmp_path, parallel_chunks=4, hedge_min_s=0.5)
+    fetcher = _fetcher(tmp_path, parallel_chunks=4, hedge_min_s=2.0)  # a loaded host may pause the loop for a while
     manifest, data = _version(16)
     holders = [Scripted(f"relay:{i}", data, pieces=2, every=0.005) for i in range(3)]
     learner = Scripted("learner:llll", data)
