@@ -14,12 +14,13 @@ Sources that misbehave are banned (`SourceBans`): a source that stalls, falls be
 `fetch.min_rate_bps` once a body has had `fetch.min_rate_grace_s`, is unreachable, or sends a
 truncated, oversized or wrong body is not asked again for `fetch.ban_s`, doubling with each repeat
 up to `fetch.ban_max_s`. The bans outlive the version fetch (the follower keeps one `SourceBans`
-for its lifetime), so a dripping peer costs one hedge delay (or grace period), not one per chunk of every version.
+for its lifetime), so a dripping peer costs one hedge delay, not one per chunk of every version.
 The learner (the publisher, the source of last resort) is never banned: when it misbehaves it is
 paused for `fetch.retry_backoff_s`, doubling, and asked again. A request that a hedge outpaced while
 it brought less than `fetch.min_rate_bps` is slow too (`hedge.outpaced_slow`): banned the same way,
-without waiting out its grace. Counted with the rest: `hedges_fired`, `hedges_won` (the hedge brought
-the chunk) and `hedge_bytes` (bytes of requests cancelled because another copy won).
+with no grace, unless chunks its source delivered earned it credit (`hedge.RaceCredit`). Counted
+with the rest: `hedges_fired`, `hedges_won` (the hedge brought the chunk) and `hedge_bytes` (bytes
+of requests cancelled because another copy won).
 
 The sources themselves (HTTP, libp2p, and how each can fail) are in `policy/sources.py`.
 """
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from echo2swarm.config.models import FetchConfig
-from echo2swarm.policy.hedge import Pace, Race, Request, outpaced_slow
+from echo2swarm.policy.hedge import Pace, Race, RaceCredit, Request, outpaced_slow
 from echo2swarm.policy.manifest import BaseRef, ChunkRef, Manifest, ManifestError, verify_linked_manifest, verify_manifest
 from echo2swarm.policy.sources import (
     ChunkSource,
@@ -209,6 +210,7 @@ class PolicyFetcher:
         self.bans.stats = self.stats  # its counters are reported with the fetch's (`stats.fetch`)
         self.bytes_from: Counter[str] = Counter()  # by source name, for the current version
         self.pace = Pace(config)  # recent chunk times, across versions: when to hedge
+        self.credit = RaceCredit(2 * config.parallel_chunks)  # races a source that delivered may lose unbanned
 
     def _fault(self, source: ChunkSource, reason: str, detail: str, publisher: str | None) -> None:
         self.bans.strike(source.name, reason, last_resort=source.name == publisher, detail=detail)
@@ -219,7 +221,7 @@ class PolicyFetcher:
 
     async def _won(self, race: Race, winner: Request, what: str, publisher: str | None, size: int | None = None) -> None:
         """`winner` brought bytes that verified: cancel the rest of its race, ban what it outpaced while
-        below the minimum rate, and (a chunk of `size` bytes) learn its time."""
+        below the minimum rate (unless its credit covers it), and (a chunk of `size` bytes) learn its time."""
         losers = await race.close()
         now = time.monotonic()
         self._cancelled(losers)
@@ -227,7 +229,8 @@ class PolicyFetcher:
             self.stats["hedges_won"] += 1
         rate = self.config.min_rate_bps
         for loser in losers:
-            if loser.asked < winner.asked and outpaced_slow(loser.progress, now, rate):
+            if loser.asked < winner.asked and outpaced_slow(loser.progress, now, rate) \
+                    and not self.credit.spend(loser.source.name):
                 self.stats["source_error"] += 1  # counted as the minimum-rate cut-off it stands in for
                 self.stats["source_slow"] += 1
                 age = now - (loser.progress.begun_at or now)
@@ -386,6 +389,7 @@ class PolicyFetcher:
                 self.stats["chunks_fetched"] += 1
                 self.stats["bytes_fetched"] += ref.size
                 self.bytes_from[source.name] += ref.size
+                self.credit.delivered(source.name)
                 if wait > 0:
                     patience.begun(source.name)
                 return "done"

@@ -14,8 +14,10 @@ it off (BitTorrent's end game, for any request that lags). The median is this fo
 measurement of the verified chunks it received, so no peer's claim steers it.
 
 A request outpaced by a later one whose body brought less than `fetch.min_rate_bps` over its age is
-slow by the rule of `sources.MinRate`, with the race as proof in place of the grace: `outpaced_slow`
-says so, and the fetcher bans its source as it bans any slow one.
+slow by the rule of `sources.MinRate`, with the race as proof in place of the grace (`outpaced_slow`).
+The grace is earned instead (`RaceCredit`): each chunk a source delivered lets it lose one such race
+unbanned (an honest peer whose upload queue held one transfer back), up to twice the chunks in
+flight; a source with no credit, a fresh identity first of all, is banned as any slow one is.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -31,6 +33,7 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.policy.sources import ChunkSource, Progress
 
 PACE_WINDOW = 64  # verified chunks whose times make the median (this version's and the last ones')
+MAX_CREDIT_RECORDS = 1024  # sources whose race credit a follower remembers (past that, the stalest is forgotten)
 
 
 class Pace:
@@ -65,6 +68,39 @@ class Pace:
         if expected is None:
             return max(config.hedge_min_s, config.min_rate_grace_s)
         return max(config.hedge_min_s, config.hedge_after * expected)
+
+
+class RaceCredit:
+    """Races a source may lose below the minimum rate without a ban: one per verified chunk it delivered,
+    at most `cap`; none for a source that never delivered (a new key starts with nothing to spend).
+
+    >>> credit = RaceCredit(cap=2)
+    >>> credit.spend("relay:new")                       # no credit: ban it
+    False
+    >>> for _ in range(5): credit.delivered("relay:old")
+    >>> credit.spend("relay:old"), credit.spend("relay:old"), credit.spend("relay:old")
+    (True, True, False)
+    """
+
+    def __init__(self, cap: int, max_records: int = MAX_CREDIT_RECORDS):
+        self.cap = cap
+        self.max_records = max_records
+        self._credit: OrderedDict[str, int] = OrderedDict()
+
+    def delivered(self, name: str) -> None:
+        self._credit[name] = min(self.cap, self._credit.get(name, 0) + 1)
+        self._credit.move_to_end(name)
+        while len(self._credit) > self.max_records:
+            self._credit.popitem(last=False)
+
+    def spend(self, name: str) -> bool:
+        """`name` lost a race below the minimum rate: True if its credit covers it (one is spent)."""
+        left = self._credit.get(name, 0)
+        if left <= 0:
+            self._credit.pop(name, None)
+            return False
+        self._credit[name] = left - 1
+        return True
 
 
 def outpaced_slow(progress: Progress, now: float, rate_bps: int) -> bool:

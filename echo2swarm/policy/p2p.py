@@ -86,9 +86,8 @@ def p2p_handler(service: ChunkService, served_to: ServedTo | None = None) -> Han
             with f:
                 with service.upload_slot(client):
                     size = f.seek(0, 2)
-                    await out.header(200, size)
                     f.seek(0)
-                    await service.upload(f, out.write)
+                    await service.upload(f, out.write, header=lambda: out.header(200, size))
                     if served_to is not None:
                         served_to.add(client.removeprefix("peer:"), size)
         else:

@@ -34,9 +34,9 @@ all clients together and per client (IP address over HTTP, peer id over libp2p):
     uploads      chunk bodies being streamed (after any wait: a held request holds no upload slot)
 
 Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`, counted
-in `stats` by reason. Chunk bodies are streamed inside the handler, so every transfer is inside its
-budget and `request_timeout_s`, and every chunk byte passes the daemon's upload limiter. The
-request limits and timeouts: docs/protocol.md §6.
+in `stats` by reason. Chunk bodies are streamed inside the handler, within their budget and
+`request_timeout_s`, every byte through the upload limiter; the header goes out with the first block
+(followers time a body from its header: policy/hedge.py). Limits and timeouts: docs/protocol.md §6.
 """
 
 from __future__ import annotations
@@ -267,8 +267,10 @@ class ChunkService:
     async def upload(
         self, f: BinaryIO, write: Callable[[bytes], Awaitable[Any]],
         sendfile: Callable[[BinaryIO, int, int], Awaitable[Any]] | None = None,
+        header: Callable[[], Awaitable[Any]] | None = None,
     ) -> int:
-        """Send an opened chunk at the upload limit (call inside `upload_slot`).
+        """Send an opened chunk at the upload limit (call inside `upload_slot`), after `header` (the
+        response's header), which goes out once the first block has its turn at the limiter.
 
         With `sendfile` (HTTP), the kernel copies file to socket block by block: no bytes pass
         through Python, which is most of a relay's CPU when it forwards at full rate.
@@ -280,6 +282,9 @@ class ChunkService:
                 while sent < size:
                     n = min(WRITE_BLOCK, size - sent)
                     await self.limiter.take(n)
+                    if header is not None:
+                        await header()
+                        header = None
                     if sendfile is not None:
                         await sendfile(f, sent, n)
                     else:
@@ -289,6 +294,8 @@ class ChunkService:
                         await write(block)
                     sent += n
                     self.uplink.sent(n)
+            if header is not None:  # an empty chunk
+                await header()
         finally:
             self.stats["bytes_served"] += sent
         self.stats["chunks_served"] += 1
@@ -495,8 +502,8 @@ class ChunkServer:
                     headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
                 )
                 response.content_length = size
-                await response.prepare(request)
-                await self.service.upload(f, response.write, sendfile=_sendfile_to(request))
+                await self.service.upload(f, response.write, sendfile=_sendfile_to(request),
+                                          header=lambda: response.prepare(request))
                 await response.write_eof()
         return response
 

@@ -261,3 +261,60 @@ def test_an_honest_broadcast_fires_no_hedge(tmp_path: Path):
     asyncio.run(fetcher.fetch_chunks(manifest, route, publisher=learner.name))  # type: ignore[arg-type]
     assert fetcher.stats["hedges_fired"] == 0 and fetcher.stats["hedge_bytes"] == 0 and learner.asked == []
     assert len(fetcher.pace.samples) == 17
+
+
+def test_a_source_that_delivered_may_lose_some_races_below_the_minimum_a_fresh_one_none(tmp_path: Path):
+    # An honest parent whose upload queue held our transfers back looks like a drip at the moment its
+    # request loses: it is spared as long as the chunks it delivered cover it. A new identity is not.
+    fetcher = _fetcher(tmp_path, parallel_chunks=1, min_rate_grace_s=10.0)
+    assert fetcher.credit.cap == 2
+    manifest, data = _version(6)
+    parent = Scripted("relay:parent", data)
+    learner = Scripted("learner:llll", data)
+    route = lambda i, ref: [(parent, 0.0), (learner, 0.0)]  # noqa: E731
+    asyncio.run(fetcher.fetch_chunks(manifest, route, refs=manifest.chunk_refs()[:3], publisher=learner.name))
+    assert fetcher.bytes_from == {parent.name: 3 * 4000} and fetcher.stats["hedges_fired"] == 0
+    parent.pieces, parent.every = 4000, 2.0  # now its transfers wait (a byte, then nothing for 2 s)
+    asyncio.run(fetcher.fetch_chunks(manifest, route, publisher=learner.name))
+    stats = fetcher.stats
+    assert stats["hedges_won"] == 3 and stats["bans_slow"] == 1  # two races covered, the third not
+    assert len(parent.asked) == 3 + 3 and fetcher.bans.banned(parent.name)
+    fresh = Scripted("relay:fresh", data, pieces=4000, every=2.0)
+    other = _fetcher(tmp_path / "other", parallel_chunks=1, min_rate_grace_s=10.0)
+    asyncio.run(other.fetch_chunks(manifest, lambda i, ref: [(fresh, 0.0), (learner, 0.0)], publisher=learner.name))
+    assert len(fresh.asked) == 1 and other.stats["bans_slow"] == 1  # its first lost race
+
+
+# -- the premise: our servers send a chunk's header with its first bytes ------------------------------
+
+def test_a_chunk_header_goes_out_when_the_limiter_gives_the_first_block_its_turn(tmp_path: Path):
+    from echo2swarm.config.models import ChunkServerConfig
+    from echo2swarm.policy.limiter import RateLimiter
+    from echo2swarm.policy.server import ChunkService
+    from echo2swarm.policy.store import VersionStore
+
+    limiter = RateLimiter(1 << 20, burst=64 << 10)  # 1 MiB/s
+    service = ChunkService(ChunkServerConfig(), ChunkStore(tmp_path), VersionStore(tmp_path), limiter=limiter)
+    body = tmp_path / "chunk"
+    body.write_bytes(b"x" * 1000)
+    events: list[tuple[str, float]] = []
+
+    async def header() -> None:
+        events.append(("header", time.monotonic()))
+
+    async def write(block: bytes) -> None:
+        events.append(("bytes", time.monotonic()))
+
+    async def scenario() -> float:
+        other = asyncio.create_task(limiter.take(320 << 10))  # another transfer's block, ~0.25 s, ahead of ours
+        await asyncio.sleep(0)  # let it take the limiter's queue first
+        started = time.monotonic()
+        with body.open("rb") as f:
+            await service.upload(f, write, header=header)
+        await other
+        return started
+
+    started = asyncio.run(scenario())
+    assert [kind for kind, _ in events] == ["header", "bytes"]
+    assert events[0][1] - started >= 0.2  # the queue was waited out before the header, not after it
+    assert events[1][1] - events[0][1] < 0.05
