@@ -322,7 +322,7 @@ class FetchConfig(StrictModel):
         "source is asked too, the first verified copy wins (operations.md, 'Hedged requests'). 0: never.",
     )
     hedge_min_s: float = Field(
-        0.5, ge=0, le=600, description="Seconds a request runs at least before it is hedged, however fast the median.",
+        0.2, ge=0, le=600, description="Seconds a request runs at least before it is hedged, however fast the median.",
     )
     ban_s: float = Field(
         60.0, gt=0, le=86400,
