@@ -55,7 +55,8 @@ class SlowSource:
         app = web.Application()
         app.router.add_get("/v1/manifest/{version}", self._drip)
         app.router.add_get("/v1/chunk/{sha}", self._drip)
-        self.runner = web.AppRunner(app, shutdown_timeout=1.0)
+        # handler_cancellation: a drip whose request the follower cancelled ends with it
+        self.runner = web.AppRunner(app, shutdown_timeout=1.0, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, HOST, 0)
         await site.start()
