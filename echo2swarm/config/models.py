@@ -344,6 +344,14 @@ class FetchConfig(StrictModel):
         description="Seconds of a body (from its response header) not held to min_rate_bps: latency, the first "
         "bytes, an upload limiter's queue. After it a body must have brought min_rate_bps x (elapsed - grace) bytes.",
     )
+    hedge_after: float = Field(
+        4.0, ge=0, le=100,
+        description="A request that has run this many times the recent median chunk time is hedged: the next "
+        "source is asked too, the first verified copy wins (operations.md, 'Hedged requests'). 0: never.",
+    )
+    hedge_min_s: float = Field(
+        0.2, ge=0, le=600, description="Seconds a request runs at least before it is hedged, however fast the median.",
+    )
     ban_s: float = Field(
         60.0, gt=0, le=86400,
         description="Seconds a source is not asked again after it stalled, was too slow or unreachable, or sent a "

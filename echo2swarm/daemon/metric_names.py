@@ -123,6 +123,9 @@ PLAN_PARENT = counter("fetch_plan_parent_events_total", "What happened with plan
                       "fetch.source_wait_s), unknown (the plan named a parent with no card yet: the card read was "
                       "awaited), behind (its card showed it catching up, over 3 versions back: not waited for).",
                       "event")
+HEDGES = counter("fetch_hedges_total", "Hedged chunk and manifest requests: fired (another source asked beside a "
+                 "request that ran past fetch.hedge_after x the recent median chunk time), won (the hedge's copy was "
+                 "kept).", "outcome")
 FETCH = Section(
     keys={
         "bytes_fetched": _one(counter("fetch_received_bytes_total", "Verified chunk bytes fetched from other peers.")),
@@ -130,6 +133,9 @@ FETCH = Section(
         "bad_chunk": _one(counter("fetch_bad_chunks_total", "Chunks that did not match their hash (source banned).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
         **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind")},
+        **{f"hedges_{outcome}": (HEDGES, outcome) for outcome in ("fired", "won")},
+        "hedge_bytes": _one(counter("fetch_hedge_discarded_bytes_total", "Bytes received by requests cancelled "
+                                    "because another copy won the race (duplicates; not in fetch_received_bytes_total).")),
     },
     prefixes={
         "source_": counter("fetch_source_faults_total",

@@ -12,10 +12,7 @@ With `chunks=False` (bootstrap, `--no-chunk-server`) only /v1/info and the extra
 `ChunkService` is what both transports share (what may be served, budgets, upload limit);
 `ChunkServer` is its HTTP front end, `policy/p2p.py` the libp2p one.
 
-A follower long-polls the learner's head (`HeadWatch`): the request is held (at most
-`chunk_server.wait_s`, in the `waiting` budget) until a head newer than `after` is published and its
-broadcast plan served (the version store wakes the watch on install), else answered at the end of
-the wait with the current head; the follower verifies it like a head read from the DHT.
+A follower long-polls the learner's head (policy/head_watch.py).
 
 Only what the store holds is served, and it holds only verified bytes. A chunk of the version this
 peer is still fetching is served as soon as it is verified: with `wait`, the request is held (at
@@ -35,15 +32,15 @@ may take; everyone else together, however many addresses or identities, gets the
 peer is known by its requests' credential over HTTP (policy/peer_auth.py), its peer id over libp2p.
 
 Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`, counted
-in `stats` by reason. Chunk bodies are streamed inside the handler, so every transfer is inside its
-budget and `request_timeout_s` and passes the upload limiter. Limits and timeouts: protocol.md §6.
+in `stats` by reason. Chunk bodies are streamed inside the handler, within their budget and
+`request_timeout_s`, every byte through the upload limiter; the header goes out with the first block
+(followers time a body from its header: policy/hedge.py). Limits and timeouts: docs/protocol.md §6.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import os
 import re
@@ -58,6 +55,7 @@ from aiohttp import web
 from echo2swarm import __version__
 from echo2swarm.config.models import ChunkServerConfig
 from echo2swarm.policy.budgets import Budget, Refused
+from echo2swarm.policy.head_watch import HeadWatch
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.peer_auth import HEADER, CredentialCheck, CredentialRefused
 from echo2swarm.policy.pipeline import InFlight
@@ -72,114 +70,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
-HEAD_RECHECK_S = 0.02  # after a version is installed: seconds between reads of the head until the new one is out
-HEAD_SETTLE_S = 2.0  # ... for at most this long; then waiters get whatever head there is (no plan, say)
 WHOLE_RECHECK_S = 2.0  # how stale the size of "a whole version" (the newest held) may be
 MAX_PACED_CLIENTS = 4096  # clients whose last refusal time is remembered (for pacing repeated refusals)
 CLIENT = web.RequestKey("e2s_client", str)  # a request's client, where its credential named a working peer
 SIGNED_BY = web.RequestKey("e2s_peer", str)  # the peer id whose checked credential a request carries
-
-
-class HeadWatch:
-    """Long-polls of the head: `wait_newer(after, timeout)` returns once a head newer than `after` is
-    out and `ready` (its broadcast plan is served, so followers find their parents at once).
-
-    `wake(version)` (from any thread: the version store calls it when it installs a version) marks
-    that version as coming; while anyone waits, one task reads the head every HEAD_RECHECK_S until a
-    ready head of that version (or newer) is out, for at most HEAD_SETTLE_S after the wake (then it
-    takes whatever newer head there is, plan or not), releasing the waiters as each newer head comes
-    out. Otherwise the head is read once when a request comes and once when it is answered.
-
-    >>> watch = HeadWatch(head=lambda: signed_head_json, ready=lambda v: plan(v) is not None)
-    >>> data = await watch.wait_newer(after=6, timeout=10.0)   # v7's head, or the current one at timeout
-    """
-
-    def __init__(self, head: Callable[[], bytes | None], ready: Callable[[int], bool] = lambda version: True):
-        self.head = head
-        self.ready = ready
-        self.version = 0  # the newest ready head's version seen
-        self.waiters = 0
-        self._coming = 0  # the newest version installed (woken for), whose head may not be out yet
-        self._woken_at = float("-inf")
-        self._changed: asyncio.Condition | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._settling: asyncio.Task[None] | None = None
-
-    def _current(self) -> tuple[int, bytes | None]:
-        data = self.head()
-        if data is None:
-            return 0, None
-        try:
-            version = json.loads(data)["version"]
-        except (ValueError, KeyError, TypeError):
-            return 0, data
-        return (version if isinstance(version, int) else 0), data
-
-    def bind(self) -> None:
-        """Attach to the running loop (the server's): `wake` is then safe from any thread."""
-        self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Condition()
-
-    def wake(self, version: int) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._woke, version)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    def _woke(self, version: int) -> None:
-        self._coming = max(self._coming, version)
-        self._woken_at = time.monotonic()
-        self._settle()
-
-    def _settle(self) -> None:
-        """Watch the head while anyone waits and an installed version's head is not out yet."""
-        pending = self.version < self._coming and time.monotonic() < self._woken_at + HEAD_SETTLE_S
-        if self.waiters and pending and (self._settling is None or self._settling.done()):
-            self._settling = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while self.waiters and self.version < self._coming:
-            version, _ = self._current()
-            settled = time.monotonic() >= self._woken_at + HEAD_SETTLE_S
-            if version > self.version and (settled or self.ready(version)):
-                await self._publish(version)
-            elif settled:
-                return
-            await asyncio.sleep(HEAD_RECHECK_S)
-
-    async def _publish(self, version: int) -> None:
-        self.version = max(self.version, version)
-        assert self._changed is not None
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def wait_newer(self, after: int, timeout: float) -> bytes | None:
-        """The head once its version is above `after` (at once if it is already), else the current
-        head after `timeout` s (None: this peer announces none)."""
-        version, data = self._current()
-        if version > after or self._changed is None or timeout <= 0:
-            return data
-        if version > self.version and self.ready(version):
-            self.version = version  # out and ready already (nobody waited when it came)
-        changed = self._changed
-        self.waiters += 1
-        try:
-            self._settle()  # a version installed just now whose head is not out yet
-            async with changed:
-                await asyncio.wait_for(changed.wait_for(lambda: self.version > after), timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            self.waiters -= 1
-        return self._current()[1]
-
-    async def close(self) -> None:
-        if self._settling is not None:
-            self._settling.cancel()
-            await asyncio.gather(self._settling, return_exceptions=True)
 
 
 class ChunkService:
@@ -307,8 +201,10 @@ class ChunkService:
     async def upload(
         self, f: BinaryIO, write: Callable[[bytes], Awaitable[Any]],
         sendfile: Callable[[BinaryIO, int, int], Awaitable[Any]] | None = None, peer: str | None = None,
+        header: Callable[[], Awaitable[Any]] | None = None,
     ) -> int:
-        """Send an opened chunk at the upload limit (call inside `upload_slot`).
+        """Send an opened chunk at the upload limit (call inside `upload_slot`), after `header` (the
+        response's header), which goes out once the first block has its turn at the limiter.
 
         With `sendfile` (HTTP), the kernel copies file to socket block by block: no bytes pass
         through Python, which is most of a relay's CPU when it forwards at full rate. `peer`: the
@@ -321,6 +217,9 @@ class ChunkService:
                 while sent < size:
                     n = min(WRITE_BLOCK, size - sent)
                     await self.limiter.take(n)
+                    if header is not None:
+                        await header()
+                        header = None
                     if sendfile is not None:
                         await sendfile(f, sent, n)
                     else:
@@ -330,6 +229,8 @@ class ChunkService:
                         await write(block)
                     sent += n
                     self.uplink.sent(n)
+            if header is not None:  # an empty chunk
+                await header()
         finally:
             self.stats["bytes_served"] += sent
             if peer is not None and sent:
@@ -633,9 +534,8 @@ class ChunkServer:
                     headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
                 )
                 response.content_length = size
-                await response.prepare(request)
                 await self.service.upload(f, response.write, sendfile=_sendfile_to(request),
-                                          peer=request.get(SIGNED_BY))
+                                          header=lambda: response.prepare(request), peer=request.get(SIGNED_BY))
                 await response.write_eof()
         return response
 

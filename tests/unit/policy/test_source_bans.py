@@ -21,6 +21,7 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher, SourceBans
 from echo2swarm.policy.sources import (
     HttpSource,
+    Progress,
     MinRate,
     SourceError,
     SourceOversized,
@@ -233,13 +234,14 @@ class FakeSource:
         self.fault = fault
         self.asked: list[str] = []
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
         raise NotImplementedError
 
     async def plan(self, version: int, max_bytes: int) -> bytes:
         raise NotImplementedError
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
         self.asked.append(ref.sha256)
         if self.fault is not None:
             raise self.fault(f"{self.name}: {self.fault.__name__}")
