@@ -155,7 +155,7 @@ class Crowd:
                 pass
 
     async def _burst(self, host: Any, answer: Any) -> None:
-        """One lease, delivered at once with the right answers (logprobs made up), then nothing."""
+        """One lease; one group of it delivered at once with the right answers (logprobs made up), then nothing."""
         from echo2swarm.wire.work import CompletionMsg, GroupSubmission, Lease, LeaseRequest
 
         stub = self.stub(host)
@@ -167,10 +167,11 @@ class Crowd:
         else:
             return
         head_version = reply.min_version
+        p = reply.prompts[0]  # one group: a single refusal is no ban, and the rate it shows is a burst's
         groups = [GroupSubmission(
             lease_id=reply.lease_id, prompt_id=p.prompt_id, version=head_version, generation_s=0.01,
             completions=[CompletionMsg(token_ids=answer(p), logprobs=[-0.05] * len(answer(p)), finish_reason="stop")
-                         for _ in range(reply.sampling.n)]) for p in reply.prompts]
+                         for _ in range(reply.sampling.n)])]
         result = await stub.submit(groups, timeout=10)
         self.stats["submitted"] += result.accepted
 
