@@ -168,7 +168,7 @@ class Crowd:
         head_version = reply.min_version
         groups = [GroupSubmission(
             lease_id=reply.lease_id, prompt_id=p.prompt_id, version=head_version, generation_s=0.01,
-            completions=[CompletionMsg(token_ids=answer(p), logprobs=[-0.05] * len(answer(p)), finish_reason="stop")
+            sampler=reply.sampling.sampler, completions=[CompletionMsg(token_ids=answer(p), logprobs=[-0.05] * len(answer(p)), finish_reason="stop")
                          for _ in range(reply.sampling.n)]) for p in reply.prompts]
         result = await stub.submit(groups, timeout=10)
         self.stats["submitted"] += result.accepted
