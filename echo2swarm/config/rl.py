@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from echo2swarm.control.activation import DEFAULT_HYSTERESIS
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 from echo2swarm.runtime.devices import check_cpus, check_device_name
+from echo2swarm.wire.sampling import SAMPLER
 from echo2swarm.wire.work import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, MAX_PROMPTS_PER_LEASE
 
 # Checked for spelling here (no torch import); whether the CUDA device exists is checked at
@@ -99,7 +100,7 @@ class TrainConfig(_Section):
     )
     kl_estimator: KlEstimator = Field("k3_is", description=f"The KL term's estimator: 'k3_is' or 'k3' ({LOSS_DOCS}).")
     scale_std: bool = Field(True, description="Divide group advantages by the group's reward std.")
-    seed: int = Field(0, ge=0, description="Seeds prompts, sampling seeds handed to peers, and torch.")
+    seed: int = Field(0, ge=0, description="Seeds prompts and torch (the seeds leases hand to peers are unpredictable).")
     threads: int | None = Field(None, ge=1, description="torch threads for training. None: torch's default.")
     device: Device = Field(
         "auto", description="Torch device for the policy, reference model, optimizer state and batches: auto (cuda "
@@ -379,6 +380,14 @@ class VerifyConfig(_Section):
         1.0, ge=0, description="Nats per version of staleness added to exact_mean_tolerance: the bound on a "
         "k-versions-old group's mean gap to the current policy.",
     )
+    sample_tolerance: float = Field(
+        0.5, ge=0, description="Nats of logits: how far an honest engine's logits may differ from the learner's in "
+        "the seeded-choice check (protocol.md §10.4.1 check 6; measured: benchmarks.md, 'Seeded sampling').",
+    )
+    require_seeded: bool = Field(
+        True, description="Refuse groups not drawn with the lease's seeded sampler (reason `unseeded`, which the "
+        "peer sees; no strike). Off: they train after every other check.",
+    )
     suspect_fraction: float = Field(
         0.25, gt=0, le=1, description="An older group whose gaps exceed this fraction (0-1) of their bounds is "
         "suspicious: checked exactly under its own version (a forward; refuses nothing by itself).",
@@ -399,3 +408,8 @@ class VerifyConfig(_Section):
         None, ge=0, description="Seeds the choice of sampled groups (tests). None: unpredictable, so a peer cannot "
         "tell which of its groups will be checked.",
     )
+
+    @property
+    def required_sampler(self) -> str | None:
+        """The seeded sampler the intake requires of every group (`require_seeded`), None when any will do."""
+        return SAMPLER if self.require_seeded else None

@@ -193,6 +193,8 @@ LEASES = Section(keys={
     "prompts_issued": _one(counter("learner_prompts_issued_total", "Prompts issued in leases (one group each).")),
     "prompts_completed": _one(counter("learner_prompts_completed_total", "Prompts whose group was delivered and accepted.")),
     "reissued": _one(counter("learner_prompts_reissued_total", "Prompts issued again after their lease ended.")),
+    "prompts_released": _one(counter("learner_prompts_released_total", "Prompts given back at once after a group "
+                                     "too stale to train or not drawn with the lease's seeded sampler.")),
     "reissued_after_refusal": _one(counter("learner_prompts_requeued_total",
                                            "Prompts of groups thrown away (a banned peer's, or refused by "
                                            "verification) put back to be issued again.")),

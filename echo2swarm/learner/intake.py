@@ -30,7 +30,6 @@ groups train first), and is told to fetch the newer version for the rest.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -41,12 +40,13 @@ from echo2swarm.learner.accountability import VIOLATIONS, Ban, PeerLedger
 from echo2swarm.learner.activation_loop import Activity
 from echo2swarm.learner.buffer import RolloutBuffer
 from echo2swarm.train.group import Group
-from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
+from echo2swarm.learner.leases import RELEASED, GroupLimits, LeaseManager, check_group
 from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait, LeasePrompt, SamplingSpec, SubmitResult
 from echo2swarm.overlay.rpc import RpcError
 from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.tasks.base import Task
+from echo2swarm.wire.sampling import SAMPLER
 
 logger = get_logger(__name__)
 
@@ -106,7 +106,6 @@ class Intake:
         self.accepted = 0
         self.refused: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()  # accepted groups per peer id
-        self._seeds = random.Random(train.seed)
         self.gate = gate
         self.ledger = ledger if ledger is not None else PeerLedger(PeersConfig())
         self._delivered_at: dict[str, float] = {}  # peer -> clock of its last reported delivery
@@ -284,7 +283,7 @@ class Intake:
             prompts=[LeasePrompt(prompt_id=pid, text=self.task.prompt(i).text) for pid, i in lease.prompts.items()],
             sampling=SamplingSpec(
                 n=self.train.group_size, max_new_tokens=self.train.max_new_tokens, temperature=self.train.temperature,
-                top_p=self.train.top_p, seed=self._seeds.getrandbits(62),
+                top_p=self.train.top_p, seed=lease.seed, sampler=SAMPLER,
             ),
             min_version=lease.min_version,
             deadline_s=self.leases_config.timeout_s,
@@ -318,8 +317,11 @@ class Intake:
             self._refuse(reason, peer, sub.prompt_id)
             if reason in VIOLATIONS:
                 self.strike(peer, reason)
+            elif reason in RELEASED:  # no lie, no use: its prompt goes to whoever can use it now, no lapse
+                self.leases.release(sub.lease_id, sub.prompt_id)
+                self.work_freed()
             return reason
-        issued_at = self.leases.open[sub.lease_id].issued_at
+        issued_at, seed = self.leases.open[sub.lease_id].issued_at, self.leases.open[sub.lease_id].seed
         index = self.leases.complete(sub.lease_id, sub.prompt_id)
         if tally is not None:
             tally[sub.lease_id] = (issued_at, tally.get(sub.lease_id, (0.0, 0))[1] + len(sub.completions))
@@ -339,6 +341,8 @@ class Intake:
             peer_id=peer,
             received_at=self.clock(),
             prompt_index=index,
+            sampler=SAMPLER if sub.sampler == SAMPLER else None,
+            seed=seed if sub.sampler == SAMPLER else None,
         ))
         self.accepted += 1
         self.delivered[peer] += 1

@@ -4,6 +4,11 @@ Pure logic (no I/O, no clocks of its own: callers pass `now`), so every rule is 
 - prompts are handed out in order from a cursor; prompts of expired leases are re-issued first,
   never to a peer whose group for that prompt was thrown away (`requeue(..., not_to=peer)`);
 - a lease is either from the in-flight budget or from the newcomers' pool (`newcomer`), counted apart;
+- each lease gets a seed of its own for the seeded sampler, unpredictable and never reused (62 bits
+  from the OS's generator: a group sampled for one lease fails the choices of any other);
+- a group refused for a reason in `RELEASED` (too stale to train, or not drawn with the lease's seeded
+  sampler) closes its prompt, which goes back to the queue at once (`release`), rather than staying
+  open in the lease until it expires and counting as the peer's lapse;
 - a group is accepted only from the peer that holds the lease, for a prompt still open in it,
   generated with a version inside [current - S, current], with the group size, lengths, token
   ids and logprobs the lease allowed; each refusal has a reason that is counted.
@@ -20,6 +25,11 @@ from dataclasses import dataclass
 from echo2swarm.wire.work import GroupSubmission
 
 
+RELEASED = frozenset({"stale_version", "unseeded"})
+"""Refusals an honest peer causes (it fell behind; its engine lacks the sampler) whose prompt is given back
+at once rather than held until the lease expires."""
+
+
 @dataclass
 class OpenLease:
     lease_id: str
@@ -29,6 +39,7 @@ class OpenLease:
     min_version: int
     issued_at: float
     newcomer: bool = False  # leased from the pool peers on probation share, outside the in-flight budget
+    seed: int = 0  # the seeded sampler's seed for every group of the lease (SamplingSpec.seed)
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,7 @@ class GroupLimits:
     max_new_tokens: int
     vocab_size: int
     eos_token_ids: frozenset[int]  # every id the model's generation config treats as end of sequence
+    sampler: str | None = None  # groups must be drawn with this seeded sampler (verify.require_seeded); None: any
 
 
 class LeaseManager:
@@ -94,6 +106,7 @@ class LeaseManager:
             min_version=min_version,
             issued_at=now,
             newcomer=newcomer,
+            seed=secrets.randbits(62),
         )
         self.open[lease.lease_id] = lease
         self.stats["leases"] += 1
@@ -133,6 +146,19 @@ class LeaseManager:
 
     def complete(self, lease_id: str, prompt_id: str) -> int:
         """Close one prompt of a lease; returns its prompt index."""
+        index = self._close(lease_id, prompt_id)
+        self.stats["prompts_completed"] += 1
+        return index
+
+    def release(self, lease_id: str, prompt_id: str) -> int:
+        """Close one prompt of a lease without a group and queue it to be issued again first (to anyone,
+        its peer included); returns its prompt index."""
+        index = self._close(lease_id, prompt_id)
+        self.requeue.append(index)
+        self.stats["prompts_released"] += 1
+        return index
+
+    def _close(self, lease_id: str, prompt_id: str) -> int:
         lease = self.open[lease_id]
         index = lease.prompts.pop(prompt_id)
         self._done.add((lease_id, prompt_id))
@@ -140,7 +166,6 @@ class LeaseManager:
             self._done.clear()
         if not lease.prompts:
             del self.open[lease_id]
-        self.stats["prompts_completed"] += 1
         return index
 
     def snapshot(self) -> dict:
@@ -174,5 +199,7 @@ def check_group(
             ends_with_eos = ids[-1] in limits.eos_token_ids
             if (completion.finish_reason == "stop") != ends_with_eos or any(t in limits.eos_token_ids for t in ids[:-1]):
                 return "bad_finish"
+    if limits.sampler is not None and sub.sampler != limits.sampler:
+        return "unseeded"
     return None
 

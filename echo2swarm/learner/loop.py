@@ -125,7 +125,7 @@ class Learner:
         self.intake = Intake(
             task, self.train, self.config.leases, encode=trainer.encode_prompt, decode=trainer.decode,
             limits=GroupLimits(self.train.group_size, self.train.max_new_tokens, trainer.vocab_size,
-                               trainer.eos_token_ids),
+                               trainer.eos_token_ids, self.config.verify.required_sampler),
             version=self.version, cursor=cursor, requeue=requeue, gate=self.activation, head_json=self._head_json(),
             ledger=self.ledger,
         )

@@ -85,6 +85,7 @@ class RolloutWorker:
         self._in_engine = 0  # batches handed to the engine and not collected yet
         self._backoff_until = 0.0  # monotonic time before which no lease is asked for or dispatched
         self._engine_failures = 0  # consecutive batches the engine failed; reset by one that succeeds
+        self._unseeded_warned: set[str] = set()  # lease samplers the engine lacks, warned about once each
 
     async def on_version(self, version: int, path: Path) -> None:
         """A newly installed version (the follower's callback): see `EngineWeights.on_version`."""
@@ -292,8 +293,10 @@ class RolloutWorker:
             self.stats["leases_expired"] += 1
             return None
         spec = lease.sampling
+        sampler = self._sampler_for(lease)
         params = SamplingParams(n=spec.n, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
-                                top_p=spec.top_p, seed=spec.seed)
+                                top_p=spec.top_p, seed=spec.seed, sampler=sampler,
+                                prompt_ids=tuple(p.prompt_id for p in lease.prompts) if sampler else None)
         try:
             # In a thread: taking the lock waits out a swap's submission, and a dead engine process
             # is restarted right there (seconds), neither of which may stall the event loop.
@@ -304,6 +307,21 @@ class RolloutWorker:
             return None
         self._engine_took()
         return asyncio.wrap_future(future)
+
+    def _sampler_for(self, lease: Lease) -> str | None:
+        """The lease's seeded sampler when this peer's engine implements it, else None (its own generator:
+        a learner that requires seeded sampling then refuses the groups as `unseeded`)."""
+        from echo2swarm.rollout.engines.base import SEEDED_SAMPLERS
+
+        sampler, engine = lease.sampling.sampler, self.weights.engine.name
+        if sampler is None or sampler in SEEDED_SAMPLERS.get(engine, frozenset()):
+            return sampler
+        if sampler not in self._unseeded_warned:
+            self._unseeded_warned.add(sampler)
+            logger.warning("the %s engine does not implement the lease's sampler %r: sampling with its own "
+                           "generator, and a learner that requires seeded sampling refuses these groups (unseeded)",
+                           engine, sampler)
+        return None
 
     def _backoff(self, message: str, seconds: float | None = None) -> None:
         self._backoff_until = time.monotonic() + (seconds if seconds is not None else self.config.worker.idle_retry_s)
@@ -369,6 +387,7 @@ class RolloutWorker:
     def _groups(self, lease: Lease, batch: Any) -> list[GroupSubmission]:
         """One lease's batch as submissions; updates µ (rollouts per engine second) and the counters."""
         spec = lease.sampling
+        sampler = self._sampler_for(lease)
         rollouts = len(lease.prompts) * spec.n
         self.throughput.observe(spec.n, spec.max_new_tokens, rollouts, batch.busy_s)
         self.stats["rollouts"] += rollouts
@@ -379,7 +398,7 @@ class RolloutWorker:
                 lease_id=lease.lease_id, prompt_id=prompt.prompt_id, version=batch.version,
                 completions=[CompletionMsg(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason)
                              for c in completions],
-                generation_s=batch.busy_s / len(lease.prompts),
+                generation_s=batch.busy_s / len(lease.prompts), sampler=sampler,
             )
             for prompt, completions in zip(lease.prompts, batch.groups)
         ]

@@ -21,6 +21,8 @@ class Group:
     peer_id: str = ""
     received_at: float = 0.0  # time.monotonic() when the learner accepted it
     prompt_index: int | None = None  # the task's index of the prompt: re-issued if the group is thrown away
+    sampler: str | None = None  # the lease's seeded sampler it was drawn with (wire/sampling.py); None: unseeded
+    seed: int | None = None  # with `sampler`: the lease's seed, which the learner drew (never the peer's word)
 
     def __len__(self) -> int:
         return len(self.completions)

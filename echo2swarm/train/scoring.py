@@ -8,7 +8,9 @@
 The learner's verification (verify.py) compares a peer's claimed behaviour logprobs with
 `sampling_logprobs` (the engines' convention, rollout/engines/base.py) and refuses sequences
 whose z says they are far less probable than sampling gives. With top_p = 1 the two logprobs
-are one tensor: nothing is computed for μ beyond what typicality asks for.
+are one tensor: nothing is computed for μ beyond what typicality asks for. For groups drawn with
+a lease's seeded sampler, `choice_gaps_of` re-derives every choice from the same logits
+(train/sampling.py): how far each sent token's perturbed score is below the best in the nucleus.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from dataclasses import dataclass, fields
 import torch
 
 from echo2swarm.train.grpo import CompletionLogits, completion_logits
+from echo2swarm.train.sampling import choice_gaps, gumbel_noise, nucleus
 
 # Added to Σ Var (nats²) under the square root of z: at near-certain positions the variance is ~0
 # and a single sampled runner-up would otherwise give an unbounded z. 1 nat² keeps honest z below
 # ~9 (see the module docstring) while random text still scores z > 50.
 VARIANCE_FLOOR = 1.0
+
+# Positions × vocabulary per chunk of `choice_gaps_of`: its noise and the nucleus bounds hold about
+# 40 bytes of scratch per element (int64 words, a sort, two searches), so 2^23 is ~330 MiB.
+CHOICE_CHUNK_ELEMENTS = 1 << 23
 
 
 @dataclass
@@ -62,20 +69,6 @@ class TokenScores:
         return TokenScores(**picked)
 
 
-def _nucleus(logp: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """For log-probabilities ``[..., V]`` and top_p < 1: the log of the nucleus mass ``[..., 1]``
-    and the mask of the tokens outside the nucleus ``[..., V]``.
-
-    The engines' rule (engines/hf.py `_sample`, vLLM's top-p): sorted by probability, a token is
-    kept while the mass ranked above it is still short of top_p; the top one always is.
-    """
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    sorted_p = sorted_logp.exp()
-    drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
-    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return torch.logsumexp(logp.masked_fill(drop, -math.inf), dim=-1, keepdim=True), drop
-
-
 def _chunk_scores(
     logits: torch.Tensor, targets: torch.Tensor, top_p: float, typicality: bool
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
@@ -83,7 +76,7 @@ def _chunk_scores(
     ``[r, n]`` (None when top_p = 1), and with ``typicality`` (surprisal, entropy, variance, outside)."""
     logp = torch.log_softmax(logits, dim=-1)
     if top_p < 1.0:
-        log_mass, drop = _nucleus(logp, top_p)
+        log_mass, drop = nucleus(logp, top_p)
         mass_out: torch.Tensor | None = log_mass.squeeze(-1)
     else:
         log_mass, drop, mass_out = torch.zeros_like(logp[..., :1]), None, None
@@ -152,6 +145,51 @@ def score_logits(
             logprobs, detached.spread(surprisal), detached.spread(entropy), detached.spread(variance),
             detached.spread(outside.float()).bool(), sampling_logprobs=sampling,
         )
+
+
+def choice_gaps_of(
+    scored: CompletionLogits,
+    completion_mask: torch.Tensor,
+    keys: torch.Tensor,
+    rows: torch.Tensor,
+    *,
+    top_p: float,
+    delta: float,
+    chunk_elements: int = CHOICE_CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-derive the seeded sampler's choices of the completion tokens of ``rows`` (``[r]`` long)
+    from logits a forward already produced (`choice_gaps` in train/sampling.py, per token).
+
+    ``keys`` (``[B, 2]`` int64): each row's key words (k0, k1); a completion's token at index t
+    (0 = its first generated token) gets the noise of position t. Returns, per row of ``rows``
+    (on the logits' device): the largest gap (-inf when none is defined) and whether any sent
+    token is surely outside the nucleus.
+    """
+    with torch.no_grad():
+        logits = scored.logits
+        device = logits.device
+        gaps = torch.full((len(rows),), -math.inf, device=device)
+        outside = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        if len(rows) == 0 or logits.shape[1] == 0:
+            return gaps, outside
+        vocab, first = logits.shape[-1], scored.first
+        rows, keys = rows.to(device), keys.to(device)
+        keep = scored.keep[rows, first:]  # [r, n]: the positions scored
+        local, column = keep.nonzero().unbind(1)
+        row = rows[local]
+        # The completion of row b starts at L - |completion|: token first + column is its index t.
+        start = scored.keep.shape[1] - completion_mask[row].sum(dim=1).long()
+        t = first + column - start
+        step = max(1, chunk_elements // vocab)
+        for at in range(0, len(row), step):
+            part = slice(at, at + step)
+            k = keys[row[part]]
+            noise = gumbel_noise(k[:, 0], k[:, 1], t[part], vocab)
+            gap, out = choice_gaps(logits[row[part], column[part]], scored.targets[row[part], column[part]], noise,
+                                   top_p, delta)
+            gaps.scatter_reduce_(0, local[part], gap, "amax")
+            outside[local[part][out]] = True
+        return gaps, outside
 
 
 def score_tokens(

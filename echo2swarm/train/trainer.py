@@ -4,7 +4,8 @@
       ─► left-padded batch ─► advantages per group                      (batches.py)
       ─► ONE forward: token logprobs (with grad); detached, the proximal logprobs, plus the
          sampling statistics of the verification (verify.py)
-      ─► verification: implausible, mis-versioned or atypical groups leave the objective, reported
+      ─► verification: implausible, mis-versioned or atypical groups, and those whose tokens the
+         lease's seeded sampler would not have chosen, leave the objective, reported
       ─► clipped objective (decoupled PPO when some groups are stale) ─► AdamW step,
          skipped when the loss or the gradient norm is not finite          (updates.py)
 
@@ -194,9 +195,9 @@ class GRPOTrainer(UpdatePath):
         over the updates after the first, which never clips: see `merge_updates`),
         ``grad_norm`` (mean), ``updates``, rewards and sizes of what trained, ``t_train_s``, and:
         ``refused_groups`` [(peer_id, prompt_id, reason)], ``verify_checked``, ``verify_exact``,
-        ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``offpolicy_dropped``,
-        ``groups_trained``, and ``skipped_nonfinite`` (updates not made because the loss or the
-        gradient norm was not finite). A batch whose every group is refused trains nothing
+        ``verify_unavailable``, ``verify_choices``, ``verify_refused`` {reason: n}, ``t_verify_s``,
+        ``offpolicy_dropped``, ``groups_trained``, and ``skipped_nonfinite`` (updates not made because
+        the loss or the gradient norm was not finite). A batch whose every group is refused trains nothing
         (``groups_trained`` 0, ``loss`` 0.0, no optimizer step).
 
         The first forward of the policy gives the proximal logprobs (the policy before this step's
@@ -227,7 +228,7 @@ class GRPOTrainer(UpdatePath):
                 verdict = self.verifier.check(
                     groups, rows, current_version=current_version,
                     input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores,
+                    completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores, logits=scored,
                 )
             t_verify = time.perf_counter() - verify_started
         del scored

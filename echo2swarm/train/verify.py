@@ -18,13 +18,14 @@ group of version v)::
             b finite ──────────────────────────────────────────────── else "nonfinite_logprob"
             max |b - q| <= exact_tolerance + k · token_gap_per_version   else "token_gap"
             mean |b - q| <= exact_mean_tolerance + k · mean_gap_per_version else "mean_gap"
-            (k = 0: q is the behaviour version's own logprob, so this is the exact check;
-            k > 0: the exact check below decides, these reasons stand only without its weights)
-      └─► exact check: every group of version t (free: q above), of older ones a random
-            `sample_fraction` plus every suspicious one (near its bound, atypical under q, or from
-            a peer refused in the last `suspect_steps` steps): version v's weights (`weights_of`)
-            in a spare model (LRU of `spare_models`), e = log π_v(x); |b - e| past the
-            tolerances ──────────────────────────────────────────────────── "exact_mismatch"
+            (k = 0: the exact check, under the fp32 masters; k > 0: the exact check below decides)
+      └─► seeded choices of k = 0 groups, same logits: each sent token's perturbed score (logits / T
+            + the lease's noise) within δ of the best in the nucleus ──────── "sample_mismatch"
+      └─► exact check of older groups (a random `sample_fraction`, the suspicious: near a bound,
+            atypical under q, from a peer refused in the last `suspect_steps` steps) and of k = 0
+            refusals (the masters are not the published cast): version v as published
+            (`weights_of`) in a spare model (LRU of `spare_models`): |b - log π_v(x)| past the
+            tolerances ─► "exact_mismatch"; the seeded choices under its logits ─► "sample_mismatch"
       └─► typicality under the behaviour version (exact when it ran, else q as a proxy):
             z = Σ (s - H) / sqrt(Σ Var + floor), per sequence and over the group;
             max(z) > typicality_z ──────────────────────────────────────────── "atypical_text"
@@ -51,12 +52,15 @@ import torch
 
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.train.group import Group
-from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, score_tokens
+from echo2swarm.train.grpo import CompletionLogits, completion_logits
+from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, choice_gaps_of, score_logits
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.sampling import SAMPLERS, completion_key
 
 logger = get_logger(__name__)
 
 __all__ = [
+    "NO_STRIKE",
     "REASONS",
     "NonFiniteWeightsError",
     "Refusal",
@@ -67,8 +71,13 @@ __all__ = [
     "load_policy_weights",
 ]
 
-REASONS = ("nonfinite_logprob", "future_version", "token_gap", "mean_gap", "exact_mismatch", "atypical_text")
+REASONS = ("nonfinite_logprob", "future_version", "token_gap", "mean_gap", "exact_mismatch", "sample_mismatch",
+           "atypical_text")
 """Every refusal reason `Verifier.check` gives."""
+
+NO_STRIKE = frozenset({"atypical_text"})
+"""Refusals that are statistics, not proof: honest samples reach the tail of z now and then, so they
+never count toward a ban (learner/loop.py); every other reason is a verification strike."""
 
 WeightsOf = Callable[[int], "dict[str, torch.Tensor] | Path | str | None"]
 """version -> that version's weights: tensors by name (tied duplicates may be left out), or a model
@@ -134,6 +143,7 @@ class VerifyResult:
     checked: int = 0  # groups that went through the plausibility checks
     exact: int = 0  # groups compared with their own version's logprobs (version t ones included)
     unavailable: int = 0  # groups an exact check was wanted for, whose version's weights were not there
+    choices: int = 0  # groups whose seeded choices were re-derived from their own version's logits
     refused: Counter[str] = field(default_factory=Counter)
 
     def stats(self) -> dict[str, Any]:
@@ -142,6 +152,7 @@ class VerifyResult:
             "verify_checked": self.checked,
             "verify_exact": self.exact,
             "verify_unavailable": self.unavailable,
+            "verify_choices": self.choices,
             "verify_refused": dict(self.refused),
         }
 
@@ -159,6 +170,10 @@ class _Pending:
     want_exact: bool = False
     exact_done: bool = False
     z: float = 0.0  # max of the group z and its sequences' z, under the best distribution available
+    seeded: bool = False  # drawn with a sampler the learner knows, with the lease's seed: its choices are checked
+    want_choices: bool = False  # its choices are checked against the step's own logits (version t)
+    choices_done: bool = False  # its choices were checked under its own version's logits
+    local: torch.Tensor | None = None  # its row indices within its version's exact forward
 
 
 class Verifier:
@@ -167,9 +182,10 @@ class Verifier:
     >>> verifier = Verifier(VerifyConfig(), temperature=1.0, top_p=1.0, weights_of=store_weights,
     ...                     make_spare=lambda: fresh_model_like(policy))
     >>> with torch.no_grad():
-    ...     scores = score_tokens(policy, ids, attn, comp, temperature=1.0)
+    ...     scored = completion_logits(policy, ids, attn, comp, temperature=1.0)
+    ...     scores = score_logits(scored)
     >>> result = verifier.check(groups, rows, current_version=7, input_ids=ids, attention_mask=attn,
-    ...                         completion_mask=comp, behaviour=behaviour, scores=scores)
+    ...                         completion_mask=comp, behaviour=behaviour, scores=scores, logits=scored)
     >>> result.keep, result.refusals
 
     ``rows[i]`` lists the batch rows of ``groups[i]``. Not thread-safe: one step at a time.
@@ -213,7 +229,11 @@ class Verifier:
         completion_mask: torch.Tensor,
         behaviour: torch.Tensor,
         scores: TokenScores,
+        logits: CompletionLogits | None = None,
     ) -> VerifyResult:
+        """``scores`` and ``logits`` come from the step's own forward at ``current_version`` (``logits``:
+        its `completion_logits`; without them, seeded groups of that version are re-derived under its
+        published weights instead, like older ones)."""
         self._checks += 1
         cfg = self.config
         device = input_ids.device
@@ -225,6 +245,7 @@ class Verifier:
         result = VerifyResult(keep=[True] * len(groups), checked=len(groups))
         if not pending:
             return result
+        keys = self._keys(pending, input_ids.shape[0])
 
         # 1. Plausibility against q, the policy at version t as the engines report it (log of the
         # renormalised nucleus probability; the proximal logprob itself when top_p = 1), every group.
@@ -251,15 +272,19 @@ class Verifier:
             elif mean_gap > self.mean_bound(k):
                 p.reason = "exact_mismatch" if k == 0 else "mean_gap"
                 p.detail = f"mean |b - q| = {mean_gap:.3g} > {self.mean_bound(k):.3g} (staleness {k})"
-            if k > 0 and p.reason is not None:
-                # The policy may have moved further than the per-version slack allows (several
-                # updates a step, a high lr): the group's own version decides, where the learner has
-                # it; the reason above stands only when it does not.
+            if p.reason is not None:
+                # k > 0: the policy may have moved further than the per-version slack allows (several
+                # updates a step, a high lr); k = 0: q comes from the fp32 masters, not the weights the
+                # engines ran (the publish cast). Either way the group's own published version decides,
+                # where the learner has it; the reason above stands only when it does not.
                 p.want_exact = True
             if excess is not None:
                 p.z = self._group_z(excess, variance, r)
             if k == 0:
                 p.exact_done = True  # q is version t's own logprob: this was the exact check
+                if keys is not None and p.seeded and p.reason is None:
+                    p.want_choices = logits is not None
+                    p.want_exact = logits is None
             elif p.reason is None:
                 p.want_exact = (
                     self._rng.random() < cfg.sample_fraction
@@ -275,7 +300,15 @@ class Verifier:
             ):
                 p.want_exact = True
 
-        # 2. Exact check of the chosen older groups, one forward per version.
+        # 1b. The seeded choices of version t's groups, from the step's own logits.
+        chosen = [p for p in pending if p.want_choices]
+        if chosen and logits is not None and keys is not None:
+            self._judge_choices(chosen, logits, completion_mask, keys, torch.cat([p.rows for p in chosen]))
+            for p in chosen:
+                if p.reason is not None:
+                    p.want_exact = True  # judged under the masters: the published version decides
+
+        # 2. Exact check of the chosen groups, one forward per version.
         by_version: dict[int, list[_Pending]] = {}
         for p in pending:
             if p.want_exact:
@@ -287,10 +320,9 @@ class Verifier:
                 continue
             index = torch.cat([p.rows for p in members]).to(device)
             with torch.no_grad():
-                exact = score_tokens(
-                    model, input_ids[index], attention_mask[index], completion_mask[index],
-                    temperature=self.temperature, top_p=self.top_p, typicality=cfg.typicality_z is not None,
-                )
+                scored = completion_logits(model, input_ids[index], attention_mask[index], completion_mask[index],
+                                           temperature=self.temperature)
+                exact = score_logits(scored, top_p=self.top_p, typicality=cfg.typicality_z is not None)
             sub_mask = mask[index]
             exact_lp = exact.sampling_logprobs
             sub_gap = torch.where(sub_mask, (behaviour[index] - exact_lp).abs(), torch.zeros_like(exact_lp))
@@ -299,6 +331,7 @@ class Verifier:
             start = 0
             for p in members:
                 local = torch.arange(start, start + len(p.rows))
+                p.local = local
                 start += len(p.rows)
                 p.exact_done = True
                 p.reason, p.detail = None, ""  # a failed proxy check is superseded by the exact one
@@ -312,6 +345,11 @@ class Verifier:
                     p.detail = f"v{version}: mean |b - e| = {mean_gap:.3g} > {cfg.exact_mean_tolerance:.3g}"
                 if sub_excess is not None:
                     p.z = self._group_z(sub_excess, sub_variance, local)  # under the behaviour version itself
+            seeded = [p for p in members if p.seeded and p.reason is None]
+            if seeded and keys is not None:
+                self._judge_choices(seeded, scored, completion_mask[index], keys[index.cpu()],
+                                    torch.cat([p.local for p in seeded]), f"v{version}: ")
+            del scored
 
         # 3. Typicality, under the behaviour version where it was scored, else under q (a proxy).
         if cfg.typicality_z is not None:
@@ -323,6 +361,7 @@ class Verifier:
 
         for p in pending:
             result.exact += int(p.exact_done)
+            result.choices += int(p.choices_done)
             if p.reason is not None:
                 result.keep[p.index] = False
                 result.refused[p.reason] += 1
@@ -333,6 +372,44 @@ class Verifier:
         if len(self._suspects) > 10_000:  # bounded: forget the peers refused longest ago
             self._suspects = {peer: n for peer, n in self._suspects.items() if self._checks - n <= cfg.suspect_steps}
         return result
+
+    # -- seeded choices ------------------------------------------------------------------------
+    def _keys(self, pending: list[_Pending], batch: int) -> torch.Tensor | None:
+        """``[B, 2]`` int64 (on the CPU): the key words of every row of a seeded group (others 0);
+        None when no group of the batch is seeded."""
+        keys: torch.Tensor | None = None
+        for p in pending:
+            g = p.group
+            if g.sampler not in SAMPLERS or g.seed is None:
+                continue
+            if keys is None:
+                keys = torch.zeros((batch, 2), dtype=torch.long)
+            p.seeded = True
+            keys[p.rows] = torch.tensor([completion_key(g.seed, g.prompt_id, j) for j in range(len(p.rows))],
+                                        dtype=torch.long)
+        return keys
+
+    def _judge_choices(self, members: list[_Pending], scored: CompletionLogits, completion_mask: torch.Tensor,
+                       keys: torch.Tensor, rows: torch.Tensor, where: str = "") -> None:
+        """Refuse as `sample_mismatch` the members whose tokens the seeded sampler cannot have chosen
+        under ``scored``'s logits (``rows``: the members' rows there, in order)."""
+        # δ bounds how far an honest engine's logits differ from ours; the scores are logits / T.
+        delta = self.config.sample_tolerance / self.temperature
+        gaps, outside = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta)
+        figures = torch.stack([gaps, outside.float()]).cpu()
+        start = 0
+        for p in members:
+            local = slice(start, start + len(p.rows))
+            start += len(p.rows)
+            p.choices_done = True
+            worst = float(figures[0, local].max())
+            if bool(figures[1, local].any()):
+                p.reason = "sample_mismatch"
+                p.detail = f"{where}a sent token outside the nucleus (δ / T = {delta:.3g})"
+            elif worst > delta:
+                p.reason = "sample_mismatch"
+                p.detail = (f"{where}a sent token's perturbed score {worst:.3g} below the sampler's choice "
+                            f"(δ / T = {delta:.3g})")
 
     @staticmethod
     def _row_typicality(scores: TokenScores, mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -4,6 +4,7 @@
     peer_keys.py  libp2p identity keys: peer ids, p2pd's key file, signatures by a peer id's owner
     records.py    DHT records: PeerCard, HeadRecord (the overlay stores them, every plane reads them)
     work.py       the learner <-> rollout RPC messages (lease, submit)
+    sampling.py   the seeded sampler a lease names: its reference, in plain integers and floats
     reach.py      the dial-back probe's request and reply (overlay/reachability.py asks it)
     schema.py     the one-line description of a message that fails its schema
     surfaces.py   the RPC surfaces, declared once: verbs, call shapes, request and reply types

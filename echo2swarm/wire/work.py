@@ -30,6 +30,9 @@ class SamplingSpec(_Message):
     temperature: float = Field(ge=0.0, le=10.0)
     top_p: float = Field(gt=0.0, le=1.0)
     seed: int = Field(ge=0, lt=2**63)
+    sampler: str | None = Field(None, max_length=64, description="the seeded sampler every completion is drawn "
+                                "with, keyed by (seed, prompt id, completion index) (wire/sampling.py); null: the "
+                                "engine's own generator, seeded by `seed`")
 
 
 class LeasePrompt(_Message):
@@ -82,6 +85,8 @@ class GroupSubmission(_Message):
     version: int = Field(ge=1, description="policy version the completions were generated with")
     completions: list[CompletionMsg] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
     generation_s: float = Field(ge=0, le=86_400)
+    sampler: str | None = Field(None, max_length=64, description="the lease's sampler, when the completions were "
+                                "drawn with it; null: with the engine's own generator")
 
 
 class SubmitResult(_Message):

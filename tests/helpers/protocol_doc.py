@@ -79,3 +79,26 @@ def fenced(body: str, info: str = "") -> list[str]:
 
 def hex_bytes(block: str) -> bytes:
     return bytes.fromhex(" ".join(block.split()))
+
+
+def sampler_vectors() -> list[dict[str, int | str | float]]:
+    """The rows of §10.7's test vector table: seed, prompt_id, j, k0, k1, t, v, x (ints), u and g (floats)."""
+    import struct
+
+    lines = section("10.7").splitlines()
+    start = lines.index("| seed | prompt_id | j | k0 | k1 | t | v | x | u | g |") + 2
+    rows: list[dict[str, int | str | float]] = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        code = [re.fullmatch(r"`([^`]*)`(?: \(.*\))?", c) for c in cells]
+        if any(code[i] is None for i in (1, 3, 4, 7, 8, 9)):
+            raise ValueError(f"a §10.7 vector row must put ids and hex words in backticks: {line!r}")
+        word = [m.group(1) if m is not None else "" for m in code]
+        rows.append({
+            "seed": int(cells[0]), "prompt_id": word[1], "j": int(cells[2]), "k0": int(word[3], 16),
+            "k1": int(word[4], 16), "t": int(cells[5]), "v": int(cells[6]), "x": int(word[7], 16),
+            "u": struct.unpack(">f", bytes.fromhex(word[8]))[0], "g": struct.unpack(">f", bytes.fromhex(word[9]))[0],
+        })
+    return rows

@@ -64,8 +64,10 @@ class RogueWorker:
         return reply
 
     async def submit(self, lease: Lease, version: int, craft: Craft) -> SubmitResult:
+        # Claims the lease's seeded sampler, as any worker may: the intake takes the claim, verification tests it.
         groups = [GroupSubmission(lease_id=lease.lease_id, prompt_id=p.prompt_id, version=version, generation_s=0.1,
-                                  completions=craft(p, lease.sampling.n)) for p in lease.prompts]
+                                  completions=craft(p, lease.sampling.n), sampler=lease.sampling.sampler)
+                  for p in lease.prompts]
         result = await self.stub.submit(groups, timeout=10)
         assert isinstance(result, SubmitResult)
         return result

@@ -170,6 +170,7 @@ class Crowd:
         p = reply.prompts[0]  # one group: a single refusal is no ban, and the rate it shows is a burst's
         groups = [GroupSubmission(
             lease_id=reply.lease_id, prompt_id=p.prompt_id, version=head_version, generation_s=0.01,
+            sampler=reply.sampling.sampler,
             completions=[CompletionMsg(token_ids=answer(p), logprobs=[-0.05] * len(answer(p)), finish_reason="stop")
                          for _ in range(reply.sampling.n)])]
         result = await stub.submit(groups, timeout=10)

@@ -71,6 +71,10 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     assert killed_at <= 20 and survivor.running()
     delivered = end["delivered"]
     assert delivered.get(survivor.info["peer_id"], 0) > 0 and delivered.get(victim.info["peer_id"], 0) > 0
+    # Every group was drawn with the lease's seeded sampler (none refused `unseeded`), and the learner
+    # re-derived the choices of those of each step's own version without refusing one (protocol.md §10.4.1).
+    assert "unseeded" not in end["refused"]
+    assert sum(r["verify_choices"] for r in records) > 0 and not any(r["verify_refused"] for r in records)
     assert (learner.state_dir / "run" / "final" / "config.json").exists()
     rogue_stats = http_json(rogue.info["chunk_url"] + "/v1/info")["stats"]
     assert rogue_stats["accepted"] == 0 and rogue_stats["steps_done"] == 0

@@ -15,6 +15,11 @@ this is ``log_softmax(logits / T)[token_t]``. Greedy decoding (``T = 0``) report
 ``log_softmax(logits)[token_t]``: ``T = 1`` and no truncation. The learner's own logprobs
 (the objective's π and the proximal policy) are full-softmax at ``T``, so ``exp(proximal -
 behaviour)`` is the importance weight π_prox / μ of the tokens as sampled.
+
+How a token is drawn from μ: with ``SamplingParams.sampler`` (a lease's seeded sampler,
+wire/sampling.py), completion j of prompt i takes argmax over the nucleus of ``logits / T + g``,
+g Gumbel noise keyed by (seed, prompt_ids[i], j, position, token id): the same draw from μ, which
+the learner can re-derive. Without it, the engine's own generator, seeded by ``seed``.
 """
 
 from __future__ import annotations
@@ -23,13 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-__all__ = ["ENGINE_KINDS", "Completion", "Engine", "FinishReason", "SamplingParams", "encode_prompts"]
+from echo2swarm.wire.sampling import SAMPLER, SAMPLERS, completion_key
+
+__all__ = ["ENGINE_KINDS", "SEEDED_SAMPLERS", "Completion", "Engine", "FinishReason", "SamplingParams",
+           "encode_prompts"]
 
 FinishReason = Literal["stop", "length"]
 
 EngineKind = Literal["auto", "vllm", "transformers"]
 ENGINE_KINDS: tuple[str, ...] = ("auto", "vllm", "transformers")
 """What `--engine` / `engine.type` accept: ``auto`` picks vLLM when it imports, else transformers."""
+
+SEEDED_SAMPLERS: dict[str, frozenset[str]] = {"transformers": frozenset({SAMPLER}), "vllm": frozenset()}
+"""The seeded samplers each engine (by its ``name``) implements; given another, ``generate`` raises
+ValueError. The worker asks an engine for a lease's sampler only when it is listed here."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,14 @@ class SamplingParams:
     over the nucleus (see the module docstring); greedy decoding ignores it."""
     seed: int | None = None
     """Seed of the sampler's own generator; None draws a fresh one. Same seed, weights and
-    prompts give the same completions on the same engine and device."""
+    prompts give the same completions on the same engine and device. With ``sampler``: the
+    lease's seed."""
+    sampler: str | None = None
+    """A seeded sampler (wire/sampling.py ``SAMPLERS``), as a lease names it: completion j of
+    prompt i is drawn with noise keyed by (``seed``, ``prompt_ids[i]``, j), the same draw in any
+    batch layout, order or device. None: the engine's own generator. Greedy ignores it."""
+    prompt_ids: tuple[str, ...] | None = None
+    """With ``sampler``: the lease's prompt id of each prompt given to ``generate``, in order."""
 
     def __post_init__(self) -> None:
         # bool is an int subclass: `n=True` is almost certainly a bug upstream.
@@ -74,10 +93,30 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"SamplingParams.seed must be an integer or None, got {self.seed!r}")
+        if self.sampler is not None:
+            if self.sampler not in SAMPLERS:
+                raise ValueError(f"SamplingParams.sampler {self.sampler!r} is not one of {sorted(SAMPLERS)}")
+            if self.seed is None or not 0 <= self.seed < 2**63:
+                raise ValueError(f"SamplingParams.sampler needs the lease's seed in [0, 2^63), got {self.seed!r}")
+            if self.prompt_ids is None or not all(isinstance(p, str) for p in self.prompt_ids):
+                raise ValueError("SamplingParams.sampler needs prompt_ids: the lease's id of each prompt")
+
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Raise ValueError unless a seeded sampler has one prompt id per prompt."""
+        if self.sampler is not None and len(self.prompt_ids or ()) != len(prompts):
+            got = len(self.prompt_ids or ())
+            raise ValueError(f"SamplingParams.prompt_ids has {got} ids for {len(prompts)} prompts")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def completion_keys(self) -> list[tuple[int, int]]:
+        """With ``sampler``: the key words (k0, k1) of every completion, completion j of prompt i
+        at ``i * n + j``; empty without."""
+        if self.sampler is None or self.seed is None or self.prompt_ids is None:
+            return []
+        return [completion_key(self.seed, prompt_id, j) for prompt_id in self.prompt_ids for j in range(self.n)]
 
 
 @dataclass

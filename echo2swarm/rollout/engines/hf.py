@@ -4,7 +4,8 @@
         └─► prefill each distinct prompt once (left-padded, last-position logits only)
             ─► fan the KV cache out to the n rows of its group
             ─► decode loop with a DynamicCache:
-                 sample (temperature, top-p, local torch.Generator) ─► record token + logprob
+                 sample (temperature, top-p; the lease's seeded sampler, or a local torch.Generator)
+                 ─► record token + logprob
                  ─► finished rows are dropped from the batch once enough of them pile up
 
 A hand-written loop rather than ``model.generate``: the behaviour logprob has one exact
@@ -29,9 +30,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from echo2swarm.config.rl import DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.models.kv_cache import kv_cache
-from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
+from echo2swarm.rollout.engines.base import SEEDED_SAMPLERS, Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.train.sampling import gumbel_noise, sample_seeded
 
 logger = get_logger(__name__)
 
@@ -141,6 +143,9 @@ class TransformersEngine:
         model = self._require_open()
         if not prompts:
             return []
+        if params.sampler is not None and params.sampler not in SEEDED_SAMPLERS[self.name]:
+            raise ValueError(f"the {self.name} engine does not implement the sampler {params.sampler!r}")
+        params.check_prompts(prompts)
         encoded = encode_prompts(self.tokenizer, prompts)
         longest = max(len(ids) for ids in encoded)
         if self._max_positions is not None and longest + params.max_new_tokens > self._max_positions:
@@ -155,8 +160,10 @@ class TransformersEngine:
         else:
             generator.manual_seed(params.seed)
 
-        # Row r is sample r % n of prompt r // n.
+        # Row r is sample r % n of prompt r // n; with a seeded sampler its noise is keyed by keys[r].
         total = len(encoded) * params.n
+        seeded = params.sampler is not None and not params.greedy
+        keys = torch.tensor(params.completion_keys(), dtype=torch.long, device=self.device) if seeded else None
         order = list(range(total))
         if total > self.max_batch_sequences:
             # Similar lengths share a sub-batch, so less compute goes to padding.
@@ -169,7 +176,9 @@ class TransformersEngine:
                 firsts: dict[int, int] = {}
                 expand = [firsts.setdefault(row // params.n, len(firsts)) for row in chunk]
                 distinct = [encoded[prompt] for prompt in firsts]
-                for row, completion in zip(chunk, self._generate_batch(model, distinct, expand, params, generator)):
+                chunk_keys = keys[torch.tensor(chunk, device=self.device)] if keys is not None else None
+                for row, completion in zip(chunk, self._generate_batch(model, distinct, expand, params, generator,
+                                                                       chunk_keys)):
                     results[row] = completion
         return [results[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]  # type: ignore[misc]
 
@@ -180,8 +189,10 @@ class TransformersEngine:
         expand: list[int],
         params: SamplingParams,
         generator: torch.Generator,
+        keys: torch.Tensor | None = None,
     ) -> list[Completion]:
-        """Sample one completion per entry of ``expand`` (an index into ``prompts``)."""
+        """Sample one completion per entry of ``expand`` (an index into ``prompts``); ``keys``
+        (``[len(expand), 2]``): each row's seeded-sampler key words, None for the generator."""
         device = self.device
         width, steps = max(len(p) for p in prompts), params.max_new_tokens
         input_ids = torch.tensor(
@@ -215,7 +226,11 @@ class TransformersEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # per batch position
 
         for step in range(steps):
-            token, logprob = _sample(logits, params, generator)
+            noise = None
+            if keys is not None:
+                live_keys = keys[live]
+                noise = gumbel_noise(live_keys[:, 0], live_keys[:, 1], torch.full_like(live, step), logits.shape[-1])
+            token, logprob = _sample(logits, params, generator, noise)
             tokens[live, step] = token
             logprobs[live, step] = logprob
             hit = torch.isin(token, self._eos_tensor) & ~done
@@ -312,13 +327,18 @@ class TransformersEngine:
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row; return (token ids, their behaviour logprobs: see ``base.py``)."""
+    """Pick one token per row; return (token ids, their behaviour logprobs: see ``base.py``).
+
+    ``noise``: the seeded sampler's Gumbel noise for these rows (train/sampling.py), else the
+    generator draws."""
     logits = logits.float()
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
+    elif noise is not None:
+        return sample_seeded(logits / params.temperature, noise, params.top_p)
     elif params.top_p < 1.0:
         logp = torch.log_softmax(logits / params.temperature, dim=-1)
         sorted_logp, sorted_ids = logp.sort(dim=-1, descending=True)

@@ -45,7 +45,7 @@ from typing import Any
 
 from echo2swarm.config.rl import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_BATCH_SEQUENCES
 from echo2swarm.rollout.engines import vllm_worker as in_worker
-from echo2swarm.rollout.engines.base import Completion, SamplingParams, encode_prompts
+from echo2swarm.rollout.engines.base import SEEDED_SAMPLERS, Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -200,6 +200,8 @@ class VLLMEngine:
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         llm = self._require_open()
+        if params.sampler is not None and params.sampler not in SEEDED_SAMPLERS[self.name]:
+            raise ValueError(f"the {self.name} engine does not implement the sampler {params.sampler!r} yet")
         if not prompts:
             return []
         from vllm import SamplingParams as VLLMSamplingParams

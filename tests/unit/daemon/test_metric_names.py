@@ -37,8 +37,8 @@ def _learner_info(refused: dict[str, int]) -> dict[str, Any]:
         "stats": {
             "published_version": 4, "steps_done": 3, "t_bcast_s": 0.5, "t_bcast": {"2": 0.4, "3": 0.5},
             "t_bcast_unreported": {}, "accepted": 30, "refused": refused, "dropped": {"stale": 2},
-            "leases": {"leases": 9, "prompts_issued": 32, "prompts_completed": 30, "leases_expired": 1,
-                       "leases_revoked": 2, "reissued": 3, "reissued_after_refusal": 1},
+            "leases": {"leases": 9, "prompts_issued": 32, "prompts_completed": 30, "prompts_released": 1,
+                       "leases_expired": 1, "leases_revoked": 2, "reissued": 3, "reissued_after_refusal": 1},
             "peers": {"tracked": 2, "probation": 1, "banned": {PEER: "lied"}, "bans": 1, "strike_verify_logprobs": 2,
                       "capped_probation": 4, "lapsed_leases": 1},
             "capacity": {"enabled": True, "planned": True, "rollouts_per_step": 32, "t_train": 0.15, "t_bcast": 0.5,

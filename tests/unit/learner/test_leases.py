@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from helpers.intake import A, B, EOS, LIMITS, answer_ids, completion, make_intake
 
+from echo2swarm.learner.accountability import VIOLATIONS
 from echo2swarm.learner.leases import LeaseManager, check_group
+from echo2swarm.wire.sampling import SAMPLER
 from echo2swarm.wire.work import CompletionMsg, GroupSubmission, Lease, LeaseRequest, LeaseWait
 
 def submission(version: int = 5, completions: list[CompletionMsg] | None = None, lease_id: str = "l", prompt_id: str = "p"):
@@ -215,3 +218,52 @@ def test_in_flight_cap_follows_the_measured_target_within_the_staleness_bound() 
     assert len(first.prompts) == 2 and len(second.prompts) == 1  # 3 in flight, then the cap
     third = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), B))
     assert third.reason == "enough work in flight"
+
+
+def test_each_lease_names_the_seeded_sampler_with_a_seed_of_its_own_and_groups_keep_them():
+    intake = make_intake(staleness=1, prompts_per_step=4)
+    leases = [asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A)) for _ in range(4)]
+    assert all(isinstance(lease, Lease) and lease.sampling.sampler == SAMPLER for lease in leases)
+    seeds = [lease.sampling.seed for lease in leases]
+    assert len(set(seeds)) == 4 and all(0 <= s < 2**62 for s in seeds)
+    assert seeds == [intake.leases.open[lease.lease_id].seed for lease in leases]  # the learner keeps its own copy
+
+    def sent(lease: Lease, sampler: str | None) -> GroupSubmission:
+        return GroupSubmission(lease_id=lease.lease_id, prompt_id=lease.prompts[0].prompt_id, version=5,
+                               generation_s=0.1, completions=[completion([5, EOS]), completion([6, EOS])],
+                               sampler=sampler)
+
+    assert intake.accept(sent(leases[0], SAMPLER), A) is None
+    assert intake.accept(sent(leases[1], None), A) is None  # not required here: it trains unseeded
+    seeded, unseeded = intake.buffer.take(5, 2)
+    assert (seeded.sampler, seeded.seed) == (SAMPLER, seeds[0]) and (unseeded.sampler, unseeded.seed) == (None, None)
+    # Required (verify.require_seeded): anything but the lease's sampler is refused, with a reason the peer
+    # sees and no strike, and the prompt goes back at once (no lapse for the peer).
+    intake.limits = dataclasses.replace(LIMITS, sampler=SAMPLER)
+    assert intake.accept(sent(leases[2], None), A) == "unseeded"
+    assert intake.accept(sent(leases[3], "gumbel-other/2"), A) == "unseeded"
+    assert intake.refused["unseeded"] == 2 and "unseeded" not in VIOLATIONS
+    assert intake.leases.stats["prompts_released"] == 2 and not intake.leases.open
+    again = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A))
+    assert again.prompts[0].prompt_id == leases[2].prompts[0].prompt_id
+    assert intake.accept(sent(again, SAMPLER), A) is None
+
+
+def test_a_stale_group_gives_its_prompt_back_at_once_without_a_lapse():
+    intake = make_intake(staleness=1, prompts_per_step=2)
+    lease = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A))
+    assert isinstance(lease, Lease)
+    stale, fresh = lease.prompts
+    intake.version = 7  # two steps on: version 5 is out of the window
+    group = GroupSubmission(lease_id=lease.lease_id, prompt_id=stale.prompt_id, version=5, generation_s=0.1,
+                            completions=[completion([5, EOS]), completion([6, EOS])])
+    assert intake.accept(group, A) == "stale_version"
+    index = int(stale.prompt_id.split(":")[1])
+    assert list(intake.leases.requeue) == [index] and intake.leases.stats["prompts_released"] == 1
+    assert stale.prompt_id not in intake.leases.open[lease.lease_id].prompts  # the lease keeps only the other
+    assert intake.accept(group, A) == "duplicate"
+    intake.accept(GroupSubmission(lease_id=lease.lease_id, prompt_id=fresh.prompt_id, version=5, generation_s=0.1,
+                                  completions=[completion([5, EOS]), completion([6, EOS])]), A)
+    assert lease.lease_id not in intake.leases.open  # closed with its last prompt: it can never lapse
+    again = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=7), B))
+    assert isinstance(again, Lease) and again.prompts[0].prompt_id == stale.prompt_id

@@ -10,28 +10,19 @@ from __future__ import annotations
 import logging
 import math
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.verify_lab import TASK, Lab
 from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import completion_logits, token_logprobs
 from echo2swarm.train.trainer import GRPOTrainer
-from echo2swarm.train.verify import (
-    NonFiniteWeightsError,
-    Verifier,
-    VerifyResult,
-)
+from echo2swarm.train.verify import NonFiniteWeightsError, Verifier
 from echo2swarm.train.scoring import _chunk_scores, score_logits, score_tokens, typicality_z
-from echo2swarm.rollout.engines.base import SamplingParams
-from echo2swarm.rollout.engines.hf import TransformersEngine
-from echo2swarm.tasks.arith import ArithTask
-
-TASK = ArithTask(seed=0)
 
 
 @pytest.fixture(autouse=True)
@@ -41,100 +32,6 @@ def _one_thread():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
-
-
-class Lab:
-    """A trainer, versions published to disk after each step as the learner does, and an engine
-    that follows them."""
-
-    def __init__(self, model_dir: Path, root: Path, *, verify: VerifyConfig | None = None, lr: float = 3e-4,
-                 temperature: float = 1.0, top_p: float = 1.0, engine_dtype: torch.dtype = torch.float32,
-                 group_size: int = 8, minibatches: int = 2):
-        self.model_dir, self.root = model_dir, root
-        self.config = TrainConfig(device="cpu", lr=lr, temperature=temperature, top_p=top_p, group_size=group_size,
-                                  threads=1, minibatches=minibatches,
-                                  ppo_epochs=1 if minibatches == 1 else 2)
-        self.trainer = GRPOTrainer(model_dir, self.config, verify=verify or VerifyConfig(seed=0),
-                                   weights_of=self.weights_of)
-        self.engine = TransformersEngine(model_dir, device="cpu", threads=1, dtype=engine_dtype)
-        self.version = self.engine_version = 1
-        self.publish()
-
-    def dir(self, version: int) -> Path:
-        return self.root / f"v{version:08d}"
-
-    def weights_of(self, version: int) -> Path | None:
-        return self.dir(version) if self.dir(version).is_dir() else None
-
-    def publish(self) -> None:
-        out = self.dir(self.version)
-        out.mkdir(parents=True)
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                shutil.copy(f, out / f.name)
-        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes())
-
-    def generate(self, indices: range | list[int], version: int, seed: int, peer: str = "honest") -> list[Group]:
-        if self.engine_version != version:
-            self.engine.load_weights(self.dir(version))
-            self.engine_version = version
-        prompts = [TASK.prompt(i) for i in indices]
-        outputs = self.engine.generate([p.text for p in prompts], SamplingParams(
-            n=self.config.group_size, max_new_tokens=self.config.max_new_tokens,
-            temperature=self.config.temperature, top_p=self.config.top_p, seed=seed))
-        return [self.group(p.prompt_id, version, [c.token_ids for c in outs], [c.logprobs for c in outs],
-                           [c.finish_reason for c in outs], peer) for p, outs in zip(prompts, outputs)]
-
-    def group(self, prompt_id: str, version: int, completions: list[list[int]], logprobs: list[list[float]],
-              finish: list[str], peer: str, rewards: list[float] | None = None) -> Group:
-        index = int(prompt_id.split(":")[1])
-        return Group(
-            prompt_id=prompt_id, version=version, prompt_ids=self.trainer.encode_prompt(TASK.prompt(index).text),
-            completions=completions, behaviour_logprobs=logprobs, finish_reasons=finish, peer_id=peer,
-            rewards=rewards if rewards is not None else
-            [TASK.reward(prompt_id, self.trainer.decode(c), f == "stop") for c, f in zip(completions, finish)],
-        )
-
-    def training_groups(self, indices: range, seed: int) -> list[Group]:
-        """Honest groups of the current version with rewards 1, 0, 1, 0, ...: the untrained model
-        never answers right, and a step on all-zero rewards would not move the policy."""
-        groups = self.generate(indices, self.version, seed)
-        for group in groups:
-            group.rewards = [float(i % 2 == 0) for i in range(len(group.completions))]
-        return groups
-
-    def train(self, groups: list[Group]) -> dict:
-        """A real step at the current version, then the next version is published."""
-        stats = self.trainer.step(groups, current_version=self.version)
-        self.version += 1
-        self.publish()
-        return stats
-
-    def check(self, verifier: Verifier, groups: list[Group]) -> VerifyResult:
-        """Verification alone (no training) at the current version."""
-        batch = self.trainer.build_batch(groups)
-        scores = score_tokens(self.trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                              temperature=self.config.temperature, top_p=self.config.top_p)
-        return verifier.check(groups, self.trainer._group_rows(groups), current_version=self.version,
-                              input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              completion_mask=batch.completion_mask, behaviour=batch.behaviour, scores=scores)
-
-    def verifier(self, **config) -> Verifier:
-        return Verifier(VerifyConfig(seed=0, **config), temperature=self.config.temperature, top_p=self.config.top_p,
-                        weights_of=self.weights_of, make_spare=self.trainer._spare_model)
-
-    def true_logprobs(self, group: Group, version: int, *, renormalised: bool = True) -> Group:
-        """`group` with the behaviour logprobs `version` really gives its tokens (teacher forcing):
-        as the engines report them (renormalised over the top-p nucleus), or with ``renormalised=False``
-        the full-softmax ones (how they were reported before the nucleus convention)."""
-        model = self.trainer._spare_model()
-        model.load_state_dict(load_file(self.dir(version) / "model.safetensors"), strict=False)
-        batch = self.trainer.build_batch([group])
-        scores = score_tokens(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
-                              temperature=self.config.temperature, top_p=self.config.top_p, typicality=False)
-        lp = scores.sampling_logprobs if renormalised else scores.logprobs
-        group.behaviour_logprobs = [lp[r, lp.shape[1] - len(c):].tolist() for r, c in enumerate(group.completions)]
-        return group
 
 
 def state(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:

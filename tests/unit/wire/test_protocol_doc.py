@@ -134,7 +134,8 @@ def _documented_submission() -> Any:
     from echo2swarm.wire.work import CompletionMsg, GroupSubmission
 
     return GroupSubmission(lease_id="9f86d081884c7d65", prompt_id="train:7", version=3, generation_s=0.5,
-                           completions=[CompletionMsg(token_ids=[17, 2], logprobs=[-0.25, -1.5], finish_reason="stop")])
+                           completions=[CompletionMsg(token_ids=[17, 2], logprobs=[-0.25, -1.5], finish_reason="stop")],
+                           sampler="gumbel-lowbias32/1")
 
 
 def test_the_framing_example_is_what_the_caller_writes_and_the_learner_reads() -> None:

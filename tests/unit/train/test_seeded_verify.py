@@ -1,0 +1,130 @@
+"""The learner re-derives the choices of groups drawn with the lease's seeded sampler (train/verify.py,
+protocol.md §10.4.1 check 6): honest groups pass from fp32 and bf16 engines with bf16 published
+weights, at the step's own version and older ones; groups a peer sampled otherwise than the lease
+says are refused as `sample_mismatch`, whatever logprobs they carry.
+
+Real tiny models, real transformers engines, real training steps (helpers/verify_lab.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.verify_lab import Lab
+
+from echo2swarm.config.rl import VerifyConfig
+from echo2swarm.models.tiny import write_tiny_model
+from echo2swarm.rollout.engines.hf import TransformersEngine
+from echo2swarm.train.group import Group
+from echo2swarm.train.verify import NO_STRIKE, REASONS, Verifier
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its final norm scaled up 6x: next-token distributions as peaked as a trained
+    model's, so that sampling otherwise changes choices (the untrained model is nearly uniform)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
+    out = tmp_path_factory.mktemp("peaked") / "model"
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(plain).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_honest_seeded_groups_pass_fresh_and_stale(peaked_model_dir: Path, tmp_path: Path, engine_dtype: torch.dtype,
+                                                   temperature: float, top_p: float) -> None:
+    lab = Lab(peaked_model_dir, tmp_path, engine_dtype=engine_dtype, temperature=temperature, top_p=top_p,
+              publish_dtype=torch.bfloat16, verify=VerifyConfig())  # defaults: what a learner runs
+    old = lab.generate(range(12), 1, seed=11, seeded=True)
+    stats = lab.train(lab.generate(range(100, 112), 1, seed=12, seeded=True))  # a real step: v2, in bf16
+    assert stats["refused_groups"] == [] and stats["verify_choices"] == 12
+    fresh = lab.generate(range(200, 212), 2, seed=13, seeded=True)
+    # Every group exact-checked: the stale ones under v1 as published, the fresh ones under the masters
+    # (and, were any refused there, under v2 as published).
+    result = lab.check(lab.verifier(sample_fraction=1.0), old + fresh)
+    assert result.refusals == [] and result.choices == 24 and result.exact == 24
+    # And a real step at default settings trains on all of them.
+    stats = lab.train(old + fresh)
+    assert stats["refused_groups"] == [] and stats["groups_trained"] == 24 and stats["verify_choices"] >= 12
+
+
+def attack_lab(model_dir: Path, root: Path) -> Lab:
+    return Lab(model_dir, root, publish_dtype=torch.bfloat16, verify=VerifyConfig(seed=0))
+
+
+def refused_as(lab: Lab, groups: list[Group]) -> list[str]:
+    result = lab.check(lab.verifier(), groups)
+    return [r.reason for r in result.refusals]
+
+
+def test_groups_sampled_otherwise_than_the_lease_says_are_refused(peaked_model_dir: Path, tmp_path: Path) -> None:
+    lab = attack_lab(peaked_model_dir, tmp_path)  # the lease: T = 1, top_p = 1, seed 21
+    prompts = range(300, 306)
+    honest = lab.generate(prompts, 1, seed=21, seeded=True)
+    assert refused_as(lab, honest) == []
+    attacks = {
+        "T 1.2": lab.generate(prompts, 1, seed=21, seeded=True, temperature=1.2),
+        "T 0.8": lab.generate(prompts, 1, seed=21, seeded=True, temperature=0.8),
+        "top_p 0.9": lab.generate(prompts, 1, seed=21, seeded=True, top_p=0.9),
+        "greedy": lab.generate(prompts, 1, seed=21, seeded=True, temperature=0.0),
+        "another lease's noise": lab.generate(prompts, 1, seed=22, seeded=True),
+    }
+    for name, groups in attacks.items():
+        for g in groups:  # the policy's true logprobs, as the engine would have reported them: only the choices lie
+            lab.true_logprobs(g, 1)
+            g.seed = 21
+        reasons = refused_as(lab, groups)
+        assert reasons and set(reasons) == {"sample_mismatch"}, (name, reasons)
+        assert len(reasons) >= 4, (name, reasons)  # of 6 groups of 8 completions
+
+
+def test_another_model_with_the_policys_true_logprobs_is_refused(peaked_model_dir: Path, tmp_path: Path) -> None:
+    lab = attack_lab(peaked_model_dir, tmp_path)
+    other = TransformersEngine(write_tiny_model(tmp_path / "other", seed=1), threads=1)  # same architecture
+    groups = lab.generate(range(400, 406), 1, seed=31, seeded=True, engine=other)
+    for g in groups:
+        lab.true_logprobs(g, 1)  # every logprob check passes: they are exact
+    stats = lab.train(groups + lab.generate(range(410, 414), 1, seed=32, seeded=True))
+    assert {r[2] for r in stats["refused_groups"]} == {"sample_mismatch"} and stats["groups_trained"] == 4
+    assert len(stats["refused_groups"]) == 6
+
+
+def test_version_t_is_judged_under_its_published_weights_not_the_masters(peaked_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    # The engine runs v2 as published in bf16; the step's own forward runs the fp32 masters, which differ
+    # from it by the cast's rounding. With no slack at all, that rounding alone refuses honest groups
+    # under the masters; the check under v2 as published, which decides, passes them.
+    lab = attack_lab(peaked_model_dir, tmp_path)
+    lab.train(lab.generate(range(100, 112), 1, seed=1, seeded=True))
+    fresh = lab.generate(range(500, 516), 2, seed=41, seeded=True)
+    strict = dict(sample_tolerance=0.0, exact_tolerance=1e-4, exact_mean_tolerance=1e-5)
+    result = lab.check(lab.verifier(**strict), fresh)
+    assert result.refusals == [] and result.choices == 16
+    # A learner without v2's weights keeps the masters' verdict.
+    result = lab.check(Verifier(VerifyConfig(seed=0, **strict), temperature=1.0), fresh)
+    assert result.refusals and result.unavailable == len(result.refusals)
+
+
+def test_unseeded_groups_get_every_other_check_and_no_choice_check(peaked_model_dir: Path, tmp_path: Path) -> None:
+    lab = attack_lab(peaked_model_dir, tmp_path)
+    result = lab.check(lab.verifier(), lab.generate(range(600, 604), 1, seed=51))
+    assert result.refusals == [] and result.choices == 0 and result.exact == 4
+
+
+def test_a_sample_mismatch_is_proof_and_only_atypical_text_is_no_strike() -> None:
+    assert "sample_mismatch" in REASONS and NO_STRIKE == {"atypical_text"}
