@@ -1,11 +1,13 @@
 """Store-time validation of our swarm's DHT records, run by every node for every store and get.
 
-hivemind hands validators the hashed key id, not the key string, so the ids of our swarm's keys
-are computed once up front. Records under our keys must match their schema. Peer cards must be
-signed by the libp2p key of the peer id they are stored under (so only a peer writes its own
-card), be dated within CARD_CLOCK_SKEW_S of our clock and not outlive their signed expiry. Head
-records must be signed by the key their subkey names, so nobody can overwrite another signer's
-head. Records under other keys are only size-checked.
+hivemind hands validators the hashed key id, not the key string, so the ids of our swarm's shared
+keys are computed once up front, and a per-peer key (`<swarm>/card/<id>`, `<swarm>/roster/<id>`)
+is recognised by hashing the key its subkey (a peer id) names. Records under our keys must match
+their schema. Peer cards and rosters must be signed by the libp2p key of the peer id they are
+stored under (so only a peer writes its own), be dated within CARD_CLOCK_SKEW_S of our clock and
+not outlive their signed expiry. Head records must be signed by the key their subkey names, so
+nobody can overwrite another signer's head. Dictionary entries under other keys are only
+size-checked; plain values are refused under every key (one would shadow a per-peer dictionary).
 
 hivemind validates every subkey of a dictionary on every get reply, so a reply carrying a flood
 of cards is checked card by card: verdicts on the card bytes are cached (bounded LRU), and only
@@ -18,11 +20,12 @@ import hashlib
 import time
 from collections import Counter, OrderedDict
 
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from echo2swarm.overlay.dht_keys import head_key, peers_key
+from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_key
 from echo2swarm.wire.records import (
     HEAD_EXPIRY_SLACK_S,
     MAX_CARD_BYTES,
@@ -31,8 +34,10 @@ from echo2swarm.wire.records import (
     MAX_SUBKEY_BYTES,
     PeerCard,
     RecordError,
+    RosterRecord,
     parse_card,
     parse_head,
+    parse_roster,
 )
 from echo2swarm.runtime.logging import get_logger
 
@@ -44,7 +49,8 @@ def key_id(key: str) -> bytes:
 
 
 class SwarmRecordValidator(RecordValidatorBase):
-    """`refused` counts refusals (served in /v1/info as stats.dht_refused); `reasons`, refused cards by kind."""
+    """`refused` counts refusals (served in /v1/info as stats.dht_refused); `reasons`, refused cards and
+    rosters by kind."""
 
     def __init__(self, swarm: str, cache_size: int = 4096):
         self.swarm = swarm
@@ -83,10 +89,44 @@ class SwarmRecordValidator(RecordValidatorBase):
             raise verdict
         return verdict
 
+    def roster(self, subkey: str, value: object) -> RosterRecord:
+        """The roster a record carries if its schema, subkey and signature hold; raises RecordError."""
+        roster = parse_roster(value)
+        if roster.peer_id != subkey:
+            raise RecordError(f"roster of {roster.peer_id} stored under subkey {subkey[:16]}", "subkey")
+        roster.check_signature(self.swarm)
+        return roster
+
+    def kind(self, record: DHTRecord) -> str | None:
+        """Which of our records `record` is: "peers", "head", "card", "roster", or None (not ours)."""
+        if record.key == self._peers_id:
+            return "peers"
+        if record.key == self._head_id:
+            return "head"
+        if not 0 < len(record.subkey) <= MAX_SUBKEY_BYTES:
+            return None
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)
+        except Exception:  # not a subkey of ours
+            return None
+        if not isinstance(subkey, str) or not 20 <= len(subkey) <= 128:
+            return None
+        if record.key == key_id(card_key(self.swarm, subkey)):
+            return "card"
+        if record.key == key_id(roster_key(self.swarm, subkey)):
+            return "roster"
+        return None
+
     def _check(self, record: DHTRecord) -> tuple[bool, str]:
         if len(record.value) > MAX_RECORD_BYTES:
             return False, f"value of {len(record.value)} bytes exceeds {MAX_RECORD_BYTES}"
-        if record.key not in (self._peers_id, self._head_id):
+        kind = self.kind(record)
+        if kind is None:
+            if record.subkey == DHTProtocol.IS_REGULAR_VALUE:
+                # We store dictionaries only. A plain value replaces a dictionary that expires sooner (hivemind's
+                # storage), and a per-peer key cannot be told from any other here: refusing them everywhere keeps
+                # anyone from blanking a peer's card or roster key for an hour.
+                return False, "a plain (non-dictionary) value"
             return True, ""
         if len(record.subkey) > MAX_SUBKEY_BYTES:
             return False, f"subkey of {len(record.subkey)} bytes"
@@ -101,11 +141,13 @@ class SwarmRecordValidator(RecordValidatorBase):
         if not isinstance(subkey, str):
             return False, "record under a swarm key without a string subkey"
         try:
-            if record.key == self._peers_id:
+            if kind in ("peers", "card"):
                 if len(record.value) > MAX_CARD_BYTES:
                     raise RecordError(f"card of {len(record.value)} bytes exceeds {MAX_CARD_BYTES}", "size")
                 card = self.card(subkey, value, record.value)
                 card.check_times(record.expiration_time)
+            elif kind == "roster":
+                self.roster(subkey, value).check_times(record.expiration_time)
             else:
                 head = parse_head(value)
                 if head.public_key != subkey:

@@ -144,12 +144,21 @@ def test_verdicts_are_cached_but_every_refusal_counts(validator: SwarmRecordVali
 
 # -- bounded reads -----------------------------------------------------------------------------
 class _FakeNode:
-    def __init__(self, entries: dict[str, tuple[dict, float]]):
-        self.entries = entries
+    """What the DHT returns per key: `entries` under the shared peers key, `keys` under any other."""
 
-    async def get(self, key: str, latest: bool = False) -> SimpleNamespace:
-        items = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in self.entries.items()}
-        return SimpleNamespace(value=items)
+    def __init__(self, entries: dict[str, tuple[dict, float]], keys: dict[str, dict[str, tuple[dict, float]]] | None = None):
+        self.entries = entries
+        self.keys = keys or {}
+        self.asked: list[str] = []
+
+    async def get_many(self, keys: list[str], sufficient_expiration_time: float | None = None) -> dict:
+        self.asked += keys
+        out = {}
+        for key in keys:
+            entries = self.entries if key == peers_key(SWARM) else self.keys.get(key)
+            items = None if entries is None else {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in entries.items()}
+            out[key] = None if items is None else SimpleNamespace(value=items)
+        return out
 
 
 class _FakeP2P:
@@ -176,7 +185,7 @@ def test_get_cards_is_bounded_and_keeps_preferred_worked_and_newest_peers() -> N
     entries[learner.peer_id] = _signed(learner, age_s=50.0, role="learner")
     entries["garbage"] = ({"peer_id": "nope"}, time.time() + 30)
     overlay = _overlay(entries, max_cards=8)
-    overlay.saw_work(worker.peer_id)
+    overlay.saw_work(worker.peer_id, "delivered")
     cards, bad = asyncio.run(overlay.get_cards(prefer=[learner.peer_id]))
     ids = {c.peer_id for c in cards}
     assert len(cards) == 8

@@ -172,7 +172,7 @@ def test_oversized_value_under_an_unknown_key(validator: SwarmRecordValidator) -
 
 
 def test_value_of_exactly_the_limit_under_an_unknown_key(validator: SwarmRecordValidator) -> None:
-    record = DHTRecord(key_id("someone-else/stuff"), DHTProtocol.IS_REGULAR_VALUE, b"x" * MAX_RECORD_BYTES, EXPIRES)
+    record = DHTRecord(key_id("someone-else/stuff"), dumps("sub"), b"x" * MAX_RECORD_BYTES, EXPIRES)
     assert_accepted(validator, record)
 
 
@@ -184,9 +184,15 @@ def test_record_under_our_key_without_a_string_subkey(
     assert_refused(validator, record, caplog, "without a string subkey")
 
 
-def test_small_value_under_an_unrelated_key_is_accepted(validator: SwarmRecordValidator) -> None:
-    assert_accepted(validator, DHTRecord(key_id("other/key"), DHTProtocol.IS_REGULAR_VALUE, dumps({"any": "thing"}), EXPIRES))
+def test_small_dictionary_entry_under_an_unrelated_key_is_accepted(validator: SwarmRecordValidator) -> None:
     assert_accepted(validator, DHTRecord(key_id("other/key"), dumps("sub"), b"\xc1 not even msgpack", EXPIRES))
+
+
+def test_plain_values_are_refused_under_every_key(validator: SwarmRecordValidator) -> None:
+    # A plain value would replace a per-peer card or roster dictionary that expires sooner, and the
+    # validator cannot tell those keys from any other by their hash alone.
+    for key in ("other/key", "demo/card/12D3KooWAnyPeerWhateverItIs1234567890abcdefghij"):
+        assert not validator.validate(DHTRecord(key_id(key), DHTProtocol.IS_REGULAR_VALUE, dumps({"a": 1}), EXPIRES))
 
 
 def test_other_swarms_keys_are_not_ours(key: PolicyKey) -> None:
