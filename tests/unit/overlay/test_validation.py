@@ -229,3 +229,30 @@ def test_head_kept_past_its_signed_expiry_is_refused(validator: SwarmRecordValid
     assert validator.validate(replay) is False
     fresh = DHTRecord(key_id(head_key(SWARM)), dumps(h.public_key), dumps(h.model_dump(mode="json")), EXPIRES)
     assert validator.validate(fresh) is True
+
+
+def test_cards_and_rosters_under_their_own_peer_keys_are_checked_like_shared_cards(validator: SwarmRecordValidator) -> None:
+    from echo2swarm.overlay.dht_keys import card_key, roster_key
+    from echo2swarm.wire.peer_keys import PeerKey
+    from echo2swarm.wire.records import RosterRecord
+
+    owner, other = PeerKey.generate(), PeerKey.generate()
+    expires = time.time() + 30  # within the cards' signed 30 s
+    mine = PeerCard(peer_id=owner.peer_id, role="rollout", price=0.1, state="ready", software="0.1",
+                    updated_ms=int(time.time() * 1000)).signed(owner, SWARM, 30).model_dump(mode="json")
+    at = DHTRecord(key_id(card_key(SWARM, owner.peer_id)), dumps(owner.peer_id), dumps(mine), expires)
+    assert validator.kind(at) == "card"
+    assert_accepted(validator, at)
+    # Another peer's (valid) card under this peer's key and subkey: refused, as under the shared key.
+    theirs = dict(mine, peer_id=other.peer_id)
+    assert not validator.validate(DHTRecord(at.key, at.subkey, dumps(theirs), expires))
+    unsigned = dict(mine, price=0.0)
+    assert not validator.validate(DHTRecord(at.key, at.subkey, dumps(unsigned), expires))
+    # Junk under another subkey of the same key is not ours to judge (only size-checked): readers skip it.
+    assert validator.kind(DHTRecord(at.key, dumps("junk"), b"x", expires)) is None
+    roster = RosterRecord(peer_id=owner.peer_id, updated_ms=int(time.time() * 1000)).signed(owner, SWARM, 30)
+    at_roster = DHTRecord(key_id(roster_key(SWARM, owner.peer_id)), dumps(owner.peer_id),
+                          dumps(roster.model_dump(mode="json")), expires)
+    assert validator.kind(at_roster) == "roster"
+    assert_accepted(validator, at_roster)
+    assert not validator.validate(DHTRecord(at_roster.key, at_roster.subkey, dumps(mine), expires))
