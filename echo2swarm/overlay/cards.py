@@ -5,6 +5,7 @@
       │   read at most once per record_ttl_s, the cards kept from it reused in between
       └ the rosters of the first MAX_ROSTERS peers in `prefer` (<swarm>/roster/<id>, overlay/roster.py)
       ─► named, in this order: `prefer`, peers seen working here, the rosters' peers, peers that asked
+         (at most limit/4 of those)
       ─► each named peer the shared read did not return: read by its own key (<swarm>/card/<id>)
       ─► named cards first, then the shared read's others: incumbents (returned before), then newest
       ─► at most `limit` (overlay.max_cards) cards
@@ -114,7 +115,8 @@ class CardReader:
         shared = fresh if shared_due else [e for e in self._shared_kept if e[2] > dht_time()]
         self.rosters = {s: r for s in signers if (r := self._roster(s, found.get(roster_key(swarm, s), []))) is not None}
         on_rosters = [e.peer_id for r in self.rosters.values() for e in r.peers]
-        named = list(dict.fromkeys([*prefer, *self.work.worked(), *on_rosters, *self.work.asked()]))[:limit]
+        asked = self.work.asked()[: limit // 4]  # identities are free: askers get a share, never the whole room
+        named = list(dict.fromkeys([*prefer, *self.work.worked(), *on_rosters, *asked]))[:limit]
 
         # Named peers: from a fresh shared read if it returned them, else by their own keys.
         by_subkey = {e[0]: e for e in fresh if isinstance(e[0], str)}

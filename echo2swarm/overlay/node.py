@@ -15,6 +15,7 @@ its own, so a reader can fetch it by name however many cards the shared key hold
 bounded whatever the DHT holds (anyone can make keys and sign cards with them): `get_cards`
 (overlay/cards.py) returns at most `max_cards`, the peers the caller names, the peers seen doing
 work here and those on the rosters of the named peers first (overlay/roster.py), by their own keys.
+What the node keeps for others is bounded per key (overlay/storage.py).
 
 We do not use the forked `hivemind.DHT` wrapper: it crashes on values over 64 KiB and orphans its
 child on SIGKILL. p2pd is started with PR_SET_PDEATHSIG so it dies with us even on `kill -9`.
