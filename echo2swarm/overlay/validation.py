@@ -10,7 +10,8 @@ nobody can overwrite another signer's head. Dictionary entries under other keys 
 size-checked; plain values are refused under every key (one would shadow a per-peer dictionary).
 
 hivemind validates every subkey of a dictionary on every get reply, so a reply carrying a flood
-of cards is checked card by card: verdicts on the card bytes are cached (bounded LRU), and only
+of cards is checked card by card: verdicts on the card bytes are cached (bounded LRU; the verdict
+and the two signed times, not the parsed card, so a flood's cards cost little memory), and only
 the time checks, which depend on the clock, are redone.
 """
 
@@ -35,6 +36,7 @@ from echo2swarm.wire.records import (
     PeerCard,
     RecordError,
     RosterRecord,
+    check_times,
     parse_card,
     parse_head,
     parse_roster,
@@ -42,6 +44,7 @@ from echo2swarm.wire.records import (
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+PARSED_CACHE = 512  # parsed cards kept for readers (2 x the default overlay.max_cards); verdicts: cache_size
 
 
 def key_id(key: str) -> bytes:
@@ -58,7 +61,8 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._head_id = key_id(head_key(swarm))
         self.refused = 0
         self.reasons: Counter[str] = Counter()
-        self._cards: OrderedDict[bytes, PeerCard | RecordError] = OrderedDict()
+        self._cards: OrderedDict[bytes, tuple[int, int] | RecordError] = OrderedDict()  # verdicts
+        self._parsed: OrderedDict[bytes, PeerCard] = OrderedDict()  # the cards readers used lately
         self._cache_size = cache_size
 
     def validate(self, record: DHTRecord) -> bool:
@@ -70,24 +74,41 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def card(self, subkey: str, value: object, value_bytes: bytes) -> PeerCard:
         """The card a record carries if its schema, subkey and signature hold (cached); raises RecordError."""
+        tag, _ = self._card_times(subkey, value, value_bytes)
+        card = self._parsed.get(tag)
+        if card is None:
+            card = self._parsed[tag] = parse_card(value)
+            while len(self._parsed) > PARSED_CACHE:
+                self._parsed.popitem(last=False)
+        else:
+            self._parsed.move_to_end(tag)
+        return card
+
+    def _card_times(self, subkey: str, value: object, value_bytes: bytes) -> tuple[bytes, tuple[int, int]]:
+        """(cache tag, (updated_ms, expires_ms)) of a card whose schema, subkey and signature hold; raises
+        RecordError. Verdicts are cached by the record's bytes: a flood of big cards costs ~100 bytes each."""
         tag = hashlib.sha256(subkey.encode() + b"\0" + value_bytes).digest()
         verdict = self._cards.get(tag)
         if verdict is None:
             try:
-                verdict = parse_card(value)
-                if verdict.peer_id != subkey:
-                    raise RecordError(f"card for {verdict.peer_id} stored under subkey {subkey[:16]}", "subkey")
-                verdict.check_signature(self.swarm)
+                card = parse_card(value)
+                if card.peer_id != subkey:
+                    raise RecordError(f"card for {card.peer_id} stored under subkey {subkey[:16]}", "subkey")
+                card.check_signature(self.swarm)
+                verdict = (card.updated_ms, card.expires_ms)
+                self._parsed[tag] = card
             except RecordError as e:
                 verdict = e
             self._cards[tag] = verdict
             while len(self._cards) > self._cache_size:
                 self._cards.popitem(last=False)
+            while len(self._parsed) > PARSED_CACHE:
+                self._parsed.popitem(last=False)
         else:
             self._cards.move_to_end(tag)
         if isinstance(verdict, RecordError):
             raise verdict
-        return verdict
+        return tag, verdict
 
     def roster(self, subkey: str, value: object) -> RosterRecord:
         """The roster a record carries if its schema, subkey and signature hold; raises RecordError."""
@@ -144,8 +165,8 @@ class SwarmRecordValidator(RecordValidatorBase):
             if kind in ("peers", "card"):
                 if len(record.value) > MAX_CARD_BYTES:
                     raise RecordError(f"card of {len(record.value)} bytes exceeds {MAX_CARD_BYTES}", "size")
-                card = self.card(subkey, value, record.value)
-                card.check_times(record.expiration_time)
+                _, (updated_ms, expires_ms) = self._card_times(subkey, value, record.value)
+                check_times(f"card of {subkey[-8:]}", updated_ms, expires_ms, record.expiration_time)
             elif kind == "roster":
                 self.roster(subkey, value).check_times(record.expiration_time)
             else:

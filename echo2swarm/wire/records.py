@@ -154,16 +154,21 @@ class _PeerSigned:
         `expiration_s` is the DHT expiration it is stored with: at most the signed `expires_ms`
         (plus the clock skew), so nobody can replay an old record with a later DHT expiry.
         """
-        what = f"{self.KIND} of {self.peer_id[-8:]}"
-        now = time.time() if now_s is None else now_s
-        if self.updated_ms > (now + CARD_CLOCK_SKEW_S) * 1000:
-            raise RecordError(f"{what} dated {self.updated_ms / 1000 - now:.0f} s ahead", "future")
-        if not self.updated_ms <= self.expires_ms <= self.updated_ms + int(MAX_RECORD_TTL_S * 1000):
-            raise RecordError(f"{what} with a signed lifetime outside 0..{MAX_RECORD_TTL_S:.0f} s", "lifetime")
-        if self.expires_ms < (now - CARD_CLOCK_SKEW_S) * 1000:
-            raise RecordError(f"{what} expired {now - self.expires_ms / 1000:.0f} s ago", "expired")
-        if expiration_s is not None and expiration_s > self.expires_ms / 1000 + CARD_CLOCK_SKEW_S:
-            raise RecordError(f"{what} stored past its signed expiry (a replay?)", "replay")
+        check_times(f"{self.KIND} of {self.peer_id[-8:]}", self.updated_ms, self.expires_ms, expiration_s, now_s)
+
+
+def check_times(what: str, updated_ms: int, expires_ms: int, expiration_s: float | None = None,
+                now_s: float | None = None) -> None:
+    """The time checks of a peer-signed record (`_PeerSigned.check_times`) from its two signed times."""
+    now = time.time() if now_s is None else now_s
+    if updated_ms > (now + CARD_CLOCK_SKEW_S) * 1000:
+        raise RecordError(f"{what} dated {updated_ms / 1000 - now:.0f} s ahead", "future")
+    if not updated_ms <= expires_ms <= updated_ms + int(MAX_RECORD_TTL_S * 1000):
+        raise RecordError(f"{what} with a signed lifetime outside 0..{MAX_RECORD_TTL_S:.0f} s", "lifetime")
+    if expires_ms < (now - CARD_CLOCK_SKEW_S) * 1000:
+        raise RecordError(f"{what} expired {now - expires_ms / 1000:.0f} s ago", "expired")
+    if expiration_s is not None and expiration_s > expires_ms / 1000 + CARD_CLOCK_SKEW_S:
+        raise RecordError(f"{what} stored past its signed expiry (a replay?)", "replay")
 
 
 P = TypeVar("P", bound=_PeerSigned)

@@ -242,5 +242,5 @@ def test_a_flood_of_fresh_signed_cards_hides_no_delivering_peer(
     print(f"step rate {rate_before:.2f} -> {rate_during:.2f} steps/s; learner CPU {cpu_before:.2f} -> "
           f"{cpu_during:.2f} s/step; learner RSS {rss_before:.0f} -> {rss_during:.0f} MB")
     assert rate_during >= 0.5 * rate_before, (rate_before, rate_during)
-    assert rss_during <= rss_before + 150, f"learner RSS {rss_before:.0f} -> {rss_during:.0f} MB under the flood"
+    assert rss_during <= rss_before + 100, f"learner RSS {rss_before:.0f} -> {rss_during:.0f} MB under the flood"
     assert learner.running() and honest.running()
