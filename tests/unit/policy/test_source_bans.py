@@ -320,3 +320,13 @@ def test_a_route_of_banned_peers_only_fails_at_once(tmp_path: Path):
     fetcher.bans.strike("relay:x", "slow")
     with pytest.raises(FetchError, match="banned or gone"):
         asyncio.run(fetcher.fetch_chunks(v1, lambda i, ref: [(FakeSource("relay:x", {}), 0.0)]))
+
+
+def test_peers_whose_chunks_verified_are_reported_as_having_served_and_liars_are_not(tmp_path: Path):
+    served: list[str] = []
+    fetcher = PolicyFetcher(FetchConfig(parallel_chunks=1), ChunkStore(tmp_path), served=served.append)
+    v1, data1 = _version(1, 3)
+    liar = FakeSource("relay:liar", {h: b"x" + b[1:] for h, b in data1.items()})
+    honest = FakeSource("relay:honest", data1)
+    asyncio.run(fetcher.fetch_chunks(v1, lambda i, ref: [(liar, 0.0), (honest, 0.0)], publisher="learner:llll"))
+    assert served == ["relay:honest"] * 3
