@@ -13,6 +13,7 @@ from typing import Any
 
 from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import (
+    LOCAL_ANNOUNCE_PERIOD_S,
     LOCAL_RECORD_TTL_S,
     DaemonProcess,
     child_pids,
@@ -138,15 +139,56 @@ def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
+def http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict[str, str] | None = None,
+                timeout: float = 10.0) -> tuple[int, str]:
+    """(status, body) of one request, an error status included: what a test that expects a refusal reads."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, method=method, data=data, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        try:
+            body = e.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException):  # a server that refuses may close before its body
+            body = ""
+        return e.code, body
 
 
-def learner_toml(path: Path, model: Path, key: Path, **train: Any) -> Path:
-    """A learner config for tests: small steps, fast leases; `train` overrides [train] keys."""
+__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "http_status", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
+
+
+# [overlay] of a learner that starts its own swarm on 127.0.0.1 (scripts/launch_learner.sh runs it from a TOML).
+LOOPBACK_OVERLAY = {"new_swarm": True, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "announce_period_s": LOCAL_ANNOUNCE_PERIOD_S,
+                    "record_ttl_s": RECORD_TTL_S}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)  # strings, numbers, booleans and lists of them are written alike in TOML
+
+
+def learner_toml(path: Path, model: Path, key: Path, *, publish: dict[str, Any] | None = None,
+                 sections: dict[str, dict[str, Any]] | None = None, top: dict[str, Any] | None = None,
+                 **train: Any) -> Path:
+    """A learner config for tests: small steps, fast leases. `train` overrides [train] keys, `publish`
+    adds [publish] keys, `sections` adds (or, for [leases], overrides keys of) other tables, e.g.
+    ``sections={"activation": {"enabled": False}}``, and `top` adds top-level keys such as state_dir."""
     settings = {"task": "arith", "steps": 30, "staleness": 1, "prompts_per_step": 8, "group_size": 4,
                 "max_new_tokens": 4, "checkpoint_every": 10, "threads": 1, **train}
-    lines = ['role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "[train]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
-    lines += ["[leases]", "max_prompts = 4", "timeout_s = 5.0"]
+    tables: dict[str, dict[str, Any]] = {
+        "publish": {"model": str(model), "policy_key": str(key), **(publish or {})},
+        "train": settings,
+        "leases": {"max_prompts": 4, "timeout_s": 5.0},
+    }
+    for name, values in (sections or {}).items():
+        tables[name] = {**tables.get(name, {}), **values}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in {"role": "learner", **(top or {})}.items()]
+    for name, values in tables.items():
+        lines += [f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in values.items())]
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.swarm import LocalSwarm, SwarmWatcher, http_json, wait_until
+from helpers.swarm import LocalSwarm, SwarmWatcher, http_json, http_status, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -63,15 +61,6 @@ async def _hostile_peer(bootstrap: str, swarm: str, learner_peer_id: str) -> dic
     return outcome
 
 
-def _http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict | None = None) -> int:
-    request = urllib.request.Request(url, method=method, data=data, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
@@ -90,15 +79,15 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
 
     # Garbage HTTP: every request refused with the right status, nothing crashes.
     url = learner.info["chunk_url"]
-    assert _http_status(url + "/v1/chunk/not-a-hash") == 400
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32) == 404
-    assert _http_status(url + "/v1/manifest/abc") == 400
-    assert _http_status(url + "/v1/manifest/7") == 404
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"") == 405
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"x") == 413
-    assert _http_status(url + "/v1/info", data=b"x" * 4096, method="GET") == 413
-    assert _http_status(url + "/v1/info", headers={"X-Big": "y" * 100_000}) in (400, 431)
-    assert _http_status(url + "/nope") == 404
+    assert http_status(url + "/v1/chunk/not-a-hash")[0] == 400
+    assert http_status(url + "/v1/chunk/" + "ab" * 32)[0] == 404
+    assert http_status(url + "/v1/manifest/abc")[0] == 400
+    assert http_status(url + "/v1/manifest/7")[0] == 404
+    assert http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"")[0] == 405
+    assert http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"x")[0] == 413
+    assert http_status(url + "/v1/info", data=b"x" * 4096, method="GET")[0] == 413
+    assert http_status(url + "/v1/info", headers={"X-Big": "y" * 100_000})[0] in (400, 431)
+    assert http_status(url + "/nope")[0] == 404
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(os.urandom(4096) + b"\r\n\r\n")
