@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.swarm import http_json, read_metrics, run_cli, wait_until
+from helpers.swarm import LOOPBACK_OVERLAY, http_json, learner_toml, read_metrics, run_cli, wait_until
 
 from echo2swarm.runtime.processes import DaemonProcess
 
@@ -47,27 +47,11 @@ def test_demo_learns(tmp_path: Path):
 # cores shared with a load of 7; the rest of the test takes about a minute.
 @pytest.mark.timeout(900)
 def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path):
-    config = tmp_path / "learner.toml"
-    config.write_text(f"""
-role = "learner"
-state_dir = "{tmp_path}/learner"
-[publish]
-model = "{tmp_path}/model"
-policy_key = "{tmp_path}/learner.key"
-[train]
-steps = 30
-prompts_per_step = 4
-group_size = 4
-max_new_tokens = 4
-[overlay]
-swarm = "readme"
-new_swarm = true
-host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
-announce_period_s = 1.0
-record_ttl_s = 4.0
-[chunk_server]
-host = "127.0.0.1"
-""")
+    # The model and key do not exist yet: the script creates both.
+    config = learner_toml(tmp_path / "learner.toml", tmp_path / "model", tmp_path / "learner.key", steps=30,
+                          prompts_per_step=4, top={"state_dir": f"{tmp_path}/learner"},
+                          sections={"overlay": {**LOOPBACK_OVERLAY, "swarm": "readme"},
+                                    "chunk_server": {"host": "127.0.0.1"}})
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "ECHO2SWARM_BIN": str(bin_dir / "echo2swarm"), "PYTHONUNBUFFERED": "1"}
     log = open(tmp_path / "learner.out", "w+")
