@@ -21,7 +21,9 @@ disk (each writes every byte twice, chunk store and installed version), while re
 their own. T_bcast is measured from outside: from when the learner's signed head first appears on its chunk
 server until the last relay holds the installed version (polled every 50 ms). The learner's own
 T_bcast (peers' reported arrival times, what the capacity model uses) is printed beside it, and
-so is the learner's upload per version.
+so is the learner's upload per version. Every run also prints what hedged requests (policy/hedge.py) cost
+the followers: hedges fired and won, and the bytes they received over the verified bytes they needed
+(the duplicates are what requests cancelled because another copy won had received).
 
 `--stream V [--delta]`: T_bcast of a stream of V versions that a real learner trains (GRPO on arith
 with operands 0..4, lr 1e-6, one AdamW update and one bf16 version per step, on-policy so that each
@@ -129,11 +131,31 @@ def get_json(url: str) -> dict[str, Any] | None:
         return None
 
 
+def hedge_totals(fetch_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """What hedged requests cost the followers (`stats.fetch` of each): hedges fired and won, the verified chunk
+    bytes they needed, the duplicate bytes of requests cancelled because another copy won, and the ratio
+    received / needed (1.0: no byte twice)."""
+    needed = sum(f.get("bytes_fetched", 0) for f in fetch_stats)
+    duplicate = sum(f.get("hedge_bytes", 0) for f in fetch_stats)
+    return {"hedges_fired": sum(f.get("hedges_fired", 0) for f in fetch_stats),
+            "hedges_won": sum(f.get("hedges_won", 0) for f in fetch_stats),
+            "bans": sum(f.get("bans", 0) for f in fetch_stats), "needed_bytes": needed, "duplicate_bytes": duplicate,
+            "received_over_needed": (needed + duplicate) / needed if needed else None}
+
+
+def hedge_line(h: dict[str, Any]) -> str:
+    ratio = f"{h['received_over_needed']:.4f}" if h["received_over_needed"] is not None else "-"
+    return (f"hedges fired {h['hedges_fired']}, won {h['hedges_won']}; followers received {format_bytes(h['needed_bytes'])} "
+            f"needed + {format_bytes(h['duplicate_bytes'])} duplicates: received / needed = {ratio}; source bans {h['bans']}")
+
+
 def run_once(root: Path, model: Path, key: Path, n: int, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     daemons: list[DaemonProcess] = []
     children: set[int] = set()
     limit = ["--upload-limit", str(args.upload_limit)]
     env = {"ECHO2SWARM_FETCH__HEAD_POLL_S": "0.2", "ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    if args.hedge_after is not None:
+        env["ECHO2SWARM_FETCH__HEDGE_AFTER"] = str(args.hedge_after)
 
     def start(name: str, *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
         # Announce every 2 s rather than the loopback default 1 s: each DHT store and read costs every
@@ -182,10 +204,11 @@ def run_once(root: Path, model: Path, key: Path, n: int, mode: str, args: argpar
             if t_learner is not None or mode == "star":
                 break
             time.sleep(0.25)
+        hedges = hedge_totals([(get_json(u + "/v1/info") or {}).get("stats", {}).get("fetch", {}) for u in urls])
         for d in daemons:
             children.update(child_pids(d.pid))
         return {"mode": mode, "n": n, "t_bcast_s": max(done.values()), "t_first_s": min(done.values()),
-                "t_bcast_learner_s": t_learner, "learner_bytes": learner_bytes,
+                "t_bcast_learner_s": t_learner, "learner_bytes": learner_bytes, "hedges": hedges,
                 "relay_cpu_s": sum(cpu_seconds(r.pid) for r in relays) / n, "learner_cpu_s": cpu_seconds(learner.pid)}
     finally:
         for d in reversed(daemons):
@@ -258,6 +281,8 @@ def run_stream(root: Path, model: Path, key: Path, n: int, kind: str, args: argp
     # Heads reach the followers by their long-poll of the learner (fetch.head_wait_s); the DHT is read at
     # the default fetch.head_poll_s (2 s), not every 0.2 s: ten daemons polling it cost the 2 cores.
     env = {"ECHO2SWARM_FETCH__PARALLEL_CHUNKS": str(args.parallel_chunks)}
+    if args.hedge_after is not None:
+        env["ECHO2SWARM_FETCH__HEDGE_AFTER"] = str(args.hedge_after)
     if args.head_poll_s is not None:
         env["ECHO2SWARM_FETCH__HEAD_POLL_S"] = str(args.head_poll_s)
 
@@ -348,7 +373,7 @@ def run_stream(root: Path, model: Path, key: Path, n: int, kind: str, args: argp
                 # relays whose rebuild used visiting orders computed ahead (policy/catchup.BaseOrders)
                 "relays_sorted_ahead": sum(bool(p.get("spans", {}).get("sorted_ahead")) for p in paths),
             })
-        return {"kind": kind, "n": n, "versions": versions,
+        return {"kind": kind, "n": n, "versions": versions, "hedges": hedge_totals([s.get("fetch", {}) for s in relay_stats]),
                 "relay_cpu_s": sum(cpu_seconds(r.pid) for r in relays) / n, "learner_cpu_s": cpu_seconds(learner.pid)}
     finally:
         for d in reversed(daemons):
@@ -425,6 +450,7 @@ def stream_main(args: argparse.Namespace, tmp_path: Path, key: Path, bandwidth: 
         print(f"{kind}: mean T_bcast {mean} s over {tot['complete']} versions, learner uploaded "
               f"{format_bytes(tot['learner_upload_bytes'])}, each relay received {format_bytes(int(tot['relay_received_bytes']))}"
               f"; CPU over the whole run: {runs[kind]['relay_cpu_s']:.1f} s a relay, learner {runs[kind]['learner_cpu_s']:.1f} s")
+        print(f"{kind}: {hedge_line(runs[kind]['hedges'])} (the relays, v1 included)")
     if "dense_over_delta" in summary:
         d, x = totals["dense"], totals["delta"]
         print(f"dense / delta over the versions whose weights changed ({summary['changed_versions']}): "
@@ -683,6 +709,8 @@ def main() -> None:
     parser.add_argument("--parallel-chunks", type=int, default=None,
                         help="chunks in flight per fetcher (default 4; with --wan the followers' default, "
                         "fetch.parallel_chunks)")
+    parser.add_argument("--hedge-after", type=float, default=None,
+                        help="the relays' fetch.hedge_after (default: theirs, 4); 0 turns hedging off, a baseline (not with --wan)")
     parser.add_argument("--modes", default="star,pipelined", help="comma-separated: star, pipelined")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one broadcast may take")
     parser.add_argument("--png", type=Path, help="write a plot of T_bcast vs N here")
@@ -759,6 +787,7 @@ def main() -> None:
                 print(f"  {mode:>9} N={n:<3} T_bcast {row['t_bcast_s']:7.2f} s  ({row['ratio']:.2f}x ideal)  "
                       f"learner uploaded {row['learner_copies']:.2f} M  CPU s: relay {row['relay_cpu_s']:.1f} (mean, "
                       f"start-up included), learner {row['learner_cpu_s']:.1f}", file=sys.stderr, flush=True)
+                print(f"    {hedge_line(row['hedges'])}", file=sys.stderr, flush=True)
 
     if args.json:
         print(json.dumps({"model_bytes": model_bytes, "upload_limit": bandwidth, "rows": rows}, indent=2))
@@ -770,6 +799,8 @@ def main() -> None:
             t_l = f"{r['t_bcast_learner_s']:.2f}" if r["t_bcast_learner_s"] is not None else "-"
             print(f"{r['n']:>3} {r['mode']:>9} {r['t_bcast_s']:>10.2f} {r['ratio']:>8.2f} {t_l:>18} "
                   f"{r['t_first_s']:>8.2f} {r['learner_copies']:>13.2f} M")
+        for r in rows:
+            print(f"N={r['n']} {r['mode']}: {hedge_line(r['hedges'])}")
         for n in receivers:
             by_mode = {r["mode"]: r for r in rows if r["n"] == n}
             if len(by_mode) == 2:

@@ -20,6 +20,7 @@ _MARK = {"ok": "ok", "warn": "WARN", "fail": "FAIL", "skip": "-"}
 @click.option("--swarm", help="Swarm name.")
 @click.option("--initial-peers", multiple=True, metavar="MADDR", help="The addresses you will join through (repeatable).")
 @click.option("--host-maddrs", multiple=True, metavar="MADDR", help="Listen multiaddrs, as for the daemon.")
+@click.option("--identity", type=click.Path(dir_okay=False, path_type=Path), help="The identity file, as for the daemon.")
 @click.option("--chunk-port", type=int, help="Port of the HTTP chunk server, as for the daemon.")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), help="Where versions will be kept.")
 @click.option("--engine", help="rollout: engine (auto, transformers, vllm).")
@@ -33,8 +34,9 @@ def doctor(role, config_path, initial_peers, host_maddrs, timeout, as_json, cloc
 
     \b
     echo2swarm doctor --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3...
-    Checks: ports free, p2pd starts, each --initial-peers address answers, whether peers can dial this
-    host (NAT) and its chunk server, clock skew against the swarm, free disk, rollout engine and device.
+    Checks: the --identity file, ports free, p2pd starts, each --initial-peers address answers, whether
+    peers can dial this host (NAT) and its chunk server, clock skew against the swarm, free disk, rollout
+    engine and device.
     Exit code 1 when a check fails.
     """
     from echo2swarm.config.flags import FlagError, overrides_from_flags

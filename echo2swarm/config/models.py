@@ -150,8 +150,9 @@ class ChunkServerConfig(StrictModel):
     Its capacity is split into budgets, each capped for all clients together and per client (an IP
     address over HTTP, a peer id over libp2p): connections, control requests (manifests, plans,
     /v1/head, /v1/info), held chunk requests and chunk uploads. Control requests have a budget of
-    their own, so a flood of chunk requests cannot keep the swarm from its manifests. Past a
-    per-client cap the answer is 429, past a global one 503, both with Retry-After.
+    their own, so a flood of chunk requests cannot keep the swarm from its manifests. Held requests
+    and connections keep a reserve for peers seen working (protocol.md §6). Past a per-client cap
+    the answer is 429, past a global one 503, both with Retry-After.
     """
 
     enabled: bool = Field(True, description="Serve verified chunks to other peers over HTTP.")
@@ -211,8 +212,28 @@ class ChunkServerConfig(StrictModel):
     )
     retry_after_s: int = Field(
         2, ge=1, le=3600,
-        description="Seconds a refused client is told to wait (HTTP Retry-After header; libp2p error text) "
-        "with every 429 and 503 refusal.",
+        description="Seconds a refused client is told to wait (HTTP Retry-After; libp2p error text) with every 429 "
+        "and 503; an HTTP client refused a held request or connection again sooner gets its answer only then.",
+    )
+    held_reserve: int = Field(
+        8, ge=0, le=4095,
+        description="Held requests (of max_waiting) only peers seen working may take; all others together hold "
+        "the rest (protocol.md §6). Default: 8, at most a quarter of max_waiting; 0: none.",
+    )
+    connection_reserve: int = Field(
+        32, ge=0, le=65535,
+        description="Connections (of max_connections; libp2p: requests being answered) only peers seen working "
+        "may take (protocol.md §6). Default: 32, at most a quarter of max_connections; 0: none.",
+    )
+    working_ttl_s: float = Field(
+        300.0, gt=0, le=86400,
+        description="Seconds a peer counts as working after it was last seen at it: groups the learner accepted, "
+        "or a whole version's worth of chunks fetched here with signed requests.",
+    )
+    auth_window_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Seconds a request credential's time (X-E2S-Peer, protocol.md §6) may be off our clock; "
+        "outside it the request counts as anyone's.",
     )
     request_timeout_s: float = Field(120.0, gt=0, description="Seconds one chunk response may take before it is cut.")
 
@@ -220,16 +241,19 @@ class ChunkServerConfig(StrictModel):
     @classmethod
     def _per_client_defaults(cls, data: object) -> object:
         # A per-client cap left unset follows its global cap down: its default, or half the global
-        # cap where that is less (at least 1), so lowering a global cap alone stays valid.
+        # cap where that is less (at least 1); a reserve likewise, a quarter (at least 0). So lowering a
+        # global cap alone stays valid.
         if isinstance(data, dict):
-            for per_client, total in cls.per_client_caps():
-                if per_client not in data:
+            for share, total, part, least in (*((p, t, 2, 1) for p, t in cls.per_client_caps()),
+                                              ("held_reserve", "max_waiting", 4, 0),
+                                              ("connection_reserve", "max_connections", 4, 0)):
+                if share not in data:
                     try:
                         given = int(data.get(total, cls.model_fields[total].default))
                     except (TypeError, ValueError):
                         continue  # the field's own validation reports it
-                    default = cls.model_fields[per_client].default
-                    data = {**data, per_client: min(default, max(1, given // 2))}
+                    default = cls.model_fields[share].default
+                    data = {**data, share: min(default, max(least, given // part))}
         return data
 
     @field_validator("public_url")
@@ -248,6 +272,10 @@ class ChunkServerConfig(StrictModel):
                     f"chunk_server.{per_client} ({mine}) must be below chunk_server.{total} ({all_}), "
                     "or one client could take the whole budget"
                 )
+        for reserve, total in (("held_reserve", "max_waiting"), ("connection_reserve", "max_connections")):
+            if getattr(self, reserve) >= getattr(self, total):
+                raise ValueError(f"chunk_server.{reserve} ({getattr(self, reserve)}) must be below chunk_server.{total} "
+                                 f"({getattr(self, total)}), or no client not seen working could be served")
         budgets = self.control_slots + self.max_waiting + self.upload_slots
         if self.max_connections < budgets:
             raise ValueError(
@@ -315,6 +343,14 @@ class FetchConfig(StrictModel):
         10.0, ge=0, le=600,
         description="Seconds of a body (from its response header) not held to min_rate_bps: latency, the first "
         "bytes, an upload limiter's queue. After it a body must have brought min_rate_bps x (elapsed - grace) bytes.",
+    )
+    hedge_after: float = Field(
+        4.0, ge=0, le=100,
+        description="A request that has run this many times the recent median chunk time is hedged: the next "
+        "source is asked too, the first verified copy wins (operations.md, 'Hedged requests'). 0: never.",
+    )
+    hedge_min_s: float = Field(
+        0.2, ge=0, le=600, description="Seconds a request runs at least before it is hedged, however fast the median.",
     )
     ban_s: float = Field(
         60.0, gt=0, le=86400,

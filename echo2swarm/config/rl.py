@@ -20,6 +20,12 @@ Device = Annotated[str, AfterValidator(check_device_name)]
 DEFAULT_MAX_BATCH_SEQUENCES = 256
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
+# The loss's choices (train/grpo.py computes them; docs/architecture.md §7 says what each is).
+LossType = Literal["bnpo", "grpo", "dr_grpo", "dapo"]
+IsMode = Literal["truncate", "mask"]
+IsLevel = Literal["token", "sequence", "sequence_product"]
+KlEstimator = Literal["k3_is", "k3"]
+LOSS_DOCS = "docs/architecture.md §7"
 
 
 class _Section(BaseModel):
@@ -55,47 +61,29 @@ class TrainConfig(_Section):
     )
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW's second-moment decay (TRL's name).")
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
-    clip_low: float = Field(0.2, gt=0, lt=1, description="PPO clip below 1.")
-    clip_high: float = Field(0.2, gt=0, description="PPO clip above 1.")
+    clip_low: float = Field(0.2, gt=0, lt=1, description=f"PPO clip of the ratio below 1 ({LOSS_DOCS}).")
+    clip_high: float = Field(0.2, gt=0, description=f"PPO clip of the ratio above 1 ({LOSS_DOCS}).")
     is_cap: float = Field(
-        10.0, ge=1, le=1e6, description="Cap of the behaviour importance weight exp(proximal - behaviour) of stale "
-        "rollouts; what happens above it is is_mode. Default 10: at forced staleness 6 (scripts/bench_staleness.py, "
-        "6 seeds) a cap of 2 cut exactly the tokens the policy had learned since (reward 0.76x of S = 0 against "
-        "0.82x with 10). It also bounds how much a peer's shaded behaviour logprobs can weigh (verification bounds "
-        "the shading itself): lower it for swarms of strangers with large staleness.",
+        10.0, ge=1, le=1e6, description=f"Cap of the importance weights of stale rollouts, in the objective and the "
+        f"KL term; it bounds what a peer's claimed logprobs can weigh ({LOSS_DOCS}).",
     )
-    is_mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="Above is_cap: 'truncate' the weight to the cap (keeps every token, biased toward "
-        "the behaviour policy), or 'mask' the token (sequence, with is_level = 'sequence') out of the objective "
-        "(AReaL-style: drops the tokens the learner's policy has moved furthest from; use it when staleness is "
-        "large and is_truncated_frac in metrics.jsonl is high).",
+    is_mode: IsMode = Field(
+        "truncate", description=f"Above is_cap: 'truncate' the weight to the cap or 'mask' the token ({LOSS_DOCS}).",
     )
-    is_level: Literal["token", "sequence", "sequence_product"] = Field(
-        "token", description="One importance weight per 'token', or per 'sequence' (the geometric mean of its "
-        "tokens' weights: lower variance on long completions, coarser), or 'sequence_product' (the product of "
-        "its tokens' weights, pi(y)/mu(y) of the whole completion: also corrects for the prefixes the stale "
-        "policy chose, unbiased below is_cap; variance grows with length: for short completions).",
+    is_level: IsLevel = Field(
+        "token", description=f"One importance weight per 'token', 'sequence' or 'sequence_product' ({LOSS_DOCS}).",
     )
-    ppo_epochs: int = Field(
-        2, ge=1, le=16, description="Passes over each step's batch. Each pass makes `minibatches` optimizer updates "
-        "(default 2 x 1: in scripts/bench_staleness.py, 6 seeds, the most reward at every staleness of 1 x 1, "
-        "1 x 2, 2 x 1 and 2 x 2; 1 x 1 is plain one-step GRPO, where the clip never acts).",
-    )
+    ppo_epochs: int = Field(2, ge=1, le=16, description=f"Passes over each step's batch ({LOSS_DOCS}).")
     minibatches: int = Field(
-        1, ge=1, le=256, description="Optimizer updates per pass; the batch is split into this many minibatches of "
-        "whole groups (fewer when the step has fewer groups). From the second update on the PPO clip bounds how far the policy moves from the one that "
-        "started the step (with a single update the ratio is exactly 1 and the clip never acts).",
+        1, ge=1, le=256, description=f"Optimizer updates per pass, each on whole groups; fewer when the step has "
+        f"fewer groups ({LOSS_DOCS}).",
     )
-    loss_type: Literal["bnpo", "grpo", "dr_grpo", "dapo"] = Field(
-        "bnpo", description="How token losses become one loss (TRL's names): 'bnpo' token mean over the minibatch; "
-        "'grpo' mean of per-sequence token means (short completions weigh more per token); 'dr_grpo' token sum over "
-        "sequences x max_new_tokens (Dr. GRPO: no length bias; pair with scale_std = false); 'dapo' token sum over "
-        "the step's tokens / minibatches (every token of the step weighs the same).",
+    loss_type: LossType = Field(
+        "bnpo", description=f"How token losses become one loss: 'bnpo', 'grpo', 'dr_grpo' or 'dapo' ({LOSS_DOCS}).",
     )
     max_offpolicy_gap: float | None = Field(
-        None, gt=0, description="Drop a group from the step when the mean |log proximal - log behaviour| of its "
-        "tokens (with top_p < 1 this includes up to -log(top_p) of nucleus truncation) exceeds this (counted as offpolicy_dropped; the group's prompt is not re-issued). None: keep all. "
-        "Typical gaps are in offpolicy_gap_mean in metrics.jsonl.",
+        None, gt=0, description="Drop a group whose mean |log proximal - log behaviour| per token exceeds this "
+        "(offpolicy_dropped; docs/architecture.md §7). None: keep all.",
     )
     schedule: Literal["freshest", "oldest"] = Field(
         "freshest", description="Which buffered groups a step trains: 'freshest' (newest version first: lowest "
@@ -105,12 +93,11 @@ class TrainConfig(_Section):
         1.5, ge=1, le=10, description="Groups leased or buffered are capped at R + headroom x the groups trained "
         "while one lease is generated (measured), never above (S + 1) x R. Lower: fresher rollouts, more bubble.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model kept).")
-    kl_estimator: Literal["k3_is", "k3"] = Field(
-        "k3_is", description="KL(pi||ref) estimator when kl_coef > 0: 'k3_is' (k3 times the importance ratio "
-        "pi/behaviour: unbiased value and gradient on rollout tokens), or 'k3' (plain k3: its gradient is that of "
-        "KL(ref||pi); for reproducing older runs).",
+    kl_coef: float = Field(
+        0.0, ge=0, description=f"Weight of the KL term to the initial policy; 0: none, and no reference model kept "
+        f"({LOSS_DOCS}).",
     )
+    kl_estimator: KlEstimator = Field("k3_is", description=f"The KL term's estimator: 'k3_is' or 'k3' ({LOSS_DOCS}).")
     scale_std: bool = Field(True, description="Divide group advantages by the group's reward std.")
     seed: int = Field(0, ge=0, description="Seeds prompts, sampling seeds handed to peers, and torch.")
     threads: int | None = Field(None, ge=1, description="torch threads for training. None: torch's default.")
@@ -203,6 +190,14 @@ class PeersConfig(_Section):
     ban_after_lapsed_leases: int = Field(
         4, ge=1, le=1000, description="Leases in a row that lapse with nothing delivered after which the peer is "
         "banned for the run.",
+    )
+    graduate_after_groups: int = Field(
+        4, ge=1, le=10_000, description="Verified groups a peer delivers before it leaves probation; until then its "
+        "work comes from the newcomers' shared pool (docs/protocol.md §10.3).",
+    )
+    newcomer_prompts: int | None = Field(
+        None, ge=1, le=100_000, description="Prompts all peers on probation together may hold, outside the in-flight "
+        "cap. None: train.prompts_per_step.",
     )
     capped_retry_s: float = Field(
         1.0, gt=0, le=60, description="Seconds a peer at its cap (open leases, undelivered prompts, probation) is "
@@ -343,6 +338,14 @@ class ActivationConfig(_Section):
     ewma_alpha: float = Field(0.3, gt=0, le=1, description="Weight of the newest sample in T_train, T_bcast, L_gen, µ.")
     t_bcast_s: float | None = Field(
         None, ge=0, le=3600, description="T_bcast to plan with, in seconds. None: the learner's measurement (else 0)."
+    )
+    plan_after_groups: int = Field(
+        4, ge=1, le=10_000, description="Verified groups a peer delivers before it is planned (again, after it went "
+        "quiet while planned): a burst cannot displace peers that deliver.",
+    )
+    quiet_after_s: float = Field(
+        5.0, gt=0, le=3600, description="A planned peer silent this long (or 3x its own lease time, if longer) is "
+        "quiet: out of the plan until it delivers plan_after_groups verified groups again.",
     )
 
 

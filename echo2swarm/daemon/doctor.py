@@ -1,7 +1,8 @@
 """`echo2swarm doctor`: the checks a peer needs before it joins, each with what to do when it fails.
 
-    ports free ─► p2pd starts ─► each --initial-peers address answers ─► a public peer dials us back
-    (reachability, chunk server) and tells its clock (skew) ─► free disk ─► engine and device
+    identity file usable ─► ports free ─► p2pd starts ─► each --initial-peers address answers
+    ─► a public peer dials us back (reachability, chunk server) and tells its clock (skew)
+    ─► free disk ─► engine and device
 
 The dial-back is the daemon's own probe (overlay/reachability.py); the doctor listens where the
 daemon would (its --host-maddrs, a chunk server on --chunk-port answering /v1/info as this peer),
@@ -80,6 +81,24 @@ def check_p2pd_binary() -> Check:
     if not os.access(path, os.X_OK):
         return Check("p2pd binary", "fail", f"{path} is not executable", f"chmod +x {path}")
     return Check("p2pd binary", "ok", str(path))
+
+
+def check_identity(config: AnyDaemonConfig) -> Check:
+    """The --identity file, read as the daemon reads it (overlay/node.py): Ed25519 or RSA (hivemind's) both run."""
+    from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
+
+    path = config.overlay.identity
+    if path is None:
+        return Check("identity", "ok", "no --identity: a fresh Ed25519 peer id at each start")
+    if not Path(path).exists():
+        return Check("identity", "ok", f"{path} does not exist yet: an Ed25519 key is created there at the first start")
+    try:
+        key = PeerKey.load(Path(path))
+    except PeerKeyError as e:
+        return Check("identity", "fail", str(e)[:300],
+                     f"point --identity at a libp2p private key (Ed25519, or RSA as hivemind's P2P.generate_identity "
+                     f"writes), or move {path} away: the daemon then creates an Ed25519 key there (a new peer id)")
+    return Check("identity", "ok", f"{path}: {key.kind} key, peer id {key.peer_id}")
 
 
 def check_disk(config: AnyDaemonConfig) -> Check:
@@ -241,7 +260,7 @@ async def check_network(config: AnyDaemonConfig, timeout: float, clock_offset_s:
 
 
 async def run_checks(config: AnyDaemonConfig, timeout: float = 10.0, clock_offset_s: float = 0.0) -> list[Check]:
-    checks = [check_p2pd_binary(), *check_ports(config)]
+    checks = [check_p2pd_binary(), check_identity(config), *check_ports(config)]
     if all(c.status != "fail" for c in checks):
         checks += await check_network(config, timeout, clock_offset_s)
     checks.append(check_disk(config))

@@ -72,8 +72,9 @@ def _one(family: Family) -> tuple[Family, None]:
 
 # -- the chunk server (every daemon with one; stats.server) -------------------------------------
 SERVER_REFUSED = counter("server_refused_total", "Requests the HTTP and libp2p chunk server refused, by reason: a "
-                         "budget full (`<budget>` for everyone, `<budget>_per_client` for one client), `body`, or an "
-                         "HTTP status (`404`: not held).", "reason")
+                         "budget full (`<budget>` for everyone not seen working, `<budget>_reserve` for working peers "
+                         "too, `<budget>_per_client` for one client), `auth_forged` or `auth_replayed` (a credential, "
+                         "401), `body`, or an HTTP status (`404`: not held).", "reason")
 SERVER = Section(
     keys={
         "bytes_served": _one(counter("server_sent_bytes_total", "Chunk bytes this daemon uploaded to other peers.")),
@@ -86,15 +87,28 @@ SERVER = Section(
         "wait_unseen": _one(counter("server_unseen_version_requests_total",
                                     "Chunk requests naming a version this daemon has not seen signed (answered at once).")),
         "dropped_connections": _one(counter("server_dropped_connections_total",
-                                            "Connections closed at accept: past twice a connection cap.")),
+                                            "Connections dropped unread (closed after Retry-After): past twice a "
+                                            "connection cap.")),
         "p2p_refused": _one(counter("server_p2p_refused_total",
                                     "libp2p chunk requests refused (also counted by reason in server_refused_total).")),
         "uplink_bps": _one(gauge("server_uplink_bytes_per_second", "Upload bytes/s this daemon's uploads sustained "
                                  "while busy (measured; absent until measured).")),
+        "working_peers": _one(gauge("server_working_peers", "Peers seen working lately (groups the learner accepted, "
+                                    "whole versions fetched here): who may take the budgets' reserves.")),
+        "paced_refusals": _one(counter("server_paced_refusals_total", "HTTP refusals (held requests, connections "
+                                       "past a cap) answered only once the client's last Retry-After was up.")),
+        "promoted_connections": _one(counter("server_promoted_connections_total", "HTTP connections past the "
+                                             "others' share kept for a working peer whose credential came first.")),
     },
     prefixes={
         "open_": gauge("server_budget_in_use", "Units of each chunk-server budget in use now "
                        "(connections, streams, control, waiting, uploads).", "budget"),
+        "working_open_": gauge("server_working_budget_in_use", "Units of each budget with a reserve (connections, "
+                               "streams, waiting) held by peers seen working now.", "budget"),
+        "working_seen_": counter("server_working_seen_total", "Times a peer was seen working, by how: `delivery` "
+                                 "(groups the learner accepted), `fetch` (a whole version's worth fetched here).", "how"),
+        "auth_": counter("server_credentials_total", "HTTP request credentials (X-E2S-Peer) checked, by outcome: ok, "
+                         "malformed, stale, forged, replayed.", "outcome"),
         "refused_": SERVER_REFUSED,
     },
     # the 503s and 429s among the reasons; the busy windows behind uplink_bps (a list)
@@ -109,6 +123,9 @@ PLAN_PARENT = counter("fetch_plan_parent_events_total", "What happened with plan
                       "fetch.source_wait_s), unknown (the plan named a parent with no card yet: the card read was "
                       "awaited), behind (its card showed it catching up, over 3 versions back: not waited for).",
                       "event")
+HEDGES = counter("fetch_hedges_total", "Hedged chunk and manifest requests: fired (another source asked beside a "
+                 "request that ran past fetch.hedge_after x the recent median chunk time), won (the hedge's copy was "
+                 "kept).", "outcome")
 FETCH = Section(
     keys={
         "bytes_fetched": _one(counter("fetch_received_bytes_total", "Verified chunk bytes fetched from other peers.")),
@@ -116,6 +133,9 @@ FETCH = Section(
         "bad_chunk": _one(counter("fetch_bad_chunks_total", "Chunks that did not match their hash (source banned).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
         **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind")},
+        **{f"hedges_{outcome}": (HEDGES, outcome) for outcome in ("fired", "won")},
+        "hedge_bytes": _one(counter("fetch_hedge_discarded_bytes_total", "Bytes received by requests cancelled "
+                                    "because another copy won the race (duplicates; not in fetch_received_bytes_total).")),
     },
     prefixes={
         "source_": counter("fetch_source_faults_total",
@@ -180,12 +200,15 @@ LEASES = Section(keys={
     "leases_revoked": (LEASES_ENDED, "revoked"),
 })
 LEASES_CAPPED = counter("learner_lease_requests_capped_total", "Lease requests answered with a wait because the peer "
-                        "held too much undelivered work: open_leases, undelivered, probation.", "reason")
+                        "held too much undelivered work (open_leases, undelivered, probation) or the newcomers' "
+                        "shared pool was taken (newcomer_pool).", "reason")
 FORGOTTEN = counter("learner_ledger_forgotten_total", "Ledger entries dropped to bound its memory (bans, peers).", "what")
 LEDGER = Section(
     keys={
         "tracked": _one(gauge("learner_peers_tracked", "Peers the learner's ledger tracks.")),
-        "probation": _one(gauge("learner_peers_on_probation", "Tracked peers that have delivered nothing yet.")),
+        "probation": _one(gauge("learner_peers_on_probation",
+                                "Tracked peers on probation: fewer verified groups than peers.graduate_after_groups.")),
+        "graduated": _one(counter("learner_peers_graduated_total", "Peers whose verified groups ended their probation.")),
         "bans": _one(counter("learner_bans_total", "Peers banned for the run.")),
         "lapsed_leases": _one(counter("learner_leases_lapsed_total", "Leases the ledger counted as lapsed.")),
         "held_requests_refused": _one(counter("learner_lease_requests_not_held_total",
@@ -195,6 +218,7 @@ LEDGER = Section(
         "capped_open_leases": (LEASES_CAPPED, "open_leases"),
         "capped_undelivered": (LEASES_CAPPED, "undelivered"),
         "capped_probation": (LEASES_CAPPED, "probation"),
+        "newcomer_pool_full": (LEASES_CAPPED, "newcomer_pool"),
         "bans_forgotten": (FORGOTTEN, "bans"),
         "peers_forgotten": (FORGOTTEN, "peers"),
     },
@@ -212,6 +236,8 @@ CAPACITY = Section(
         "gamma": _one(gauge("learner_activation_gamma", "gamma: the activation's safety factor on the rollout floor.")),
         "planned": _one(gauge("learner_activation_planned",
                               "1 while cost-aware activation runs a feasible plan, 0 while everyone works.")),
+        "quiet_events": _one(counter("learner_activation_quiet_total",
+                                     "Planned peers dropped from the plan for going quiet.")),
     },
     # per peer or text (the plan's figures come from DaemonCollector), and t_bcast: learner_broadcast_seconds
     ignore=frozenset({"enabled", "delivered_mu", "active", "plan", "log", "t_bcast"}),

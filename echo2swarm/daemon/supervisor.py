@@ -8,7 +8,7 @@ Back-pressure: the follower fetches one version at a time with a bounded number 
 flight; the chunk server caps concurrent responses. Every daemon runs one HTTP server: /metrics
 (daemon/prometheus.py) and /v1/info always, chunks for other peers unless it is a bootstrap or
 `--no-chunk-server`. `daemon.json` in the state dir tells tests and tools the peer id, multiaddrs,
-chunk URL and HTTP URL without parsing logs.
+chunk URL and HTTP URL without parsing logs, and the card's reachability as it changes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,19 @@ from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard
 
 logger = get_logger(__name__)
 EXIT_OK, EXIT_CONFIG, EXIT_FAILED = 0, 2, 1
+
+
+def _delivered(learner: Any) -> Callable[[], Mapping[str, int]]:
+    """Groups the learner's intake accepted per peer id (`Intake.delivered`), banned peers left out."""
+
+    def counts() -> Mapping[str, int]:
+        intake = learner.intake  # None until the learner started
+        if intake is None:
+            return {}
+        bans = learner.ledger.bans
+        return {peer: n for peer, n in intake.delivered.items() if peer not in bans}
+
+    return counts
 
 
 def make_service(config: AnyDaemonConfig, ctx: DaemonContext) -> RoleService:
@@ -91,6 +105,7 @@ class Daemon:
         self.reach: ReachabilityTracker | None = None
         self.dialback: DialbackService | None = None
         self.p2p_served_to: Any = None  # policy.p2p.ServedTo once the libp2p chunk service runs
+        self.ready_written = False  # daemon.json is there (rewritten when the card's reachability changes)
 
     # -- records -------------------------------------------------------------------------------
     def card(self, state: str | None = None) -> PeerCard:
@@ -136,6 +151,7 @@ class Daemon:
             stats["server"] = dict(self.chunk_service.stats)
             stats["server"]["uplink_bps"] = self.chunk_service.uplink.estimate()
             stats["server"]["uplink_windows"] = [round(r) for r in self.chunk_service.uplink.rates]
+            stats["server"]["working_peers"] = len(self.chunk_service.working)
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         return {
             "peer_id": self.ctx.overlay.peer_id,
@@ -175,6 +191,8 @@ class Daemon:
             try:
                 if await self.reach.update(self.chunk_url):
                     self.ctx.overlay.advertise(self.reach.card_chunk_url(self.chunk_url), self.reach.maddrs)
+                    if self.ready_written and not self.stop_event.is_set():  # daemon.json says what the card says
+                        self._write_ready_file()
             except Exception:
                 logger.exception("reachability check failed; keeping the last result")
 
@@ -182,11 +200,10 @@ class Daemon:
         head = self.service.head() if self.service is not None else None
         return None if head is None else head.model_dump_json().encode()
 
-    def _write_ready_file(self) -> None:
+    def ready_info(self) -> dict[str, Any]:
+        """What daemon.json holds (docs/protocol.md §8.1); its reachability and card addresses are the card's."""
         assert self.ctx is not None
-        path = Path(self.config.state_dir) / "daemon.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({
+        return {
             "peer_id": self.ctx.overlay.peer_id,
             "role": self.config.role,
             "swarm": self.config.overlay.swarm,
@@ -197,8 +214,16 @@ class Daemon:
             "http_url": self.http_url,
             "pid": os.getpid(),
             "software": __version__,
-        }, indent=2))
+        }
+
+    def _write_ready_file(self) -> None:
+        """Written once the role service has started, and again whenever the card's reachability or
+        addresses change, so that it never says other than the card."""
+        path = Path(self.config.state_dir) / "daemon.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.ready_info(), indent=2))
         os.replace(tmp, path)
+        self.ready_written = True
 
     # -- lifecycle -----------------------------------------------------------------------------
     async def _supervise(self, service: RoleService) -> None:
@@ -247,8 +272,12 @@ class Daemon:
             announcer = Announcer(config.overlay.announce_period_s, self._announce, name=f"{config.role} card")
             self.ctx = DaemonContext(overlay, chunks, versions, session, inflight, announcer)
             self.service = service = make_service(config, self.ctx)
+            # The learner's reserves of held requests and connections go to the peers whose groups it accepted
+            # (its loop is LearnerService.learner).
+            hosted: Any = service
+            work = [_delivered(hosted.learner)] if isinstance(config, LearnerConfig) else []
             self.chunk_service = ChunkService(config.chunk_server, chunks, versions, RateLimiter(config.upload_limit),
-                                              inflight, plan=service.signed_plan)
+                                              inflight, plan=service.signed_plan, peer_id=overlay.peer_id, work=work)
             if config.role != "bootstrap":
                 from echo2swarm.policy.p2p import serve_p2p
 
@@ -257,7 +286,7 @@ class Daemon:
             # swarm chunks only where there are chunks to serve and the chunk server is on.
             serves_chunks = config.role != "bootstrap" and config.chunk_server.enabled
             # The learner's step records (its MetricsLog, there once it started) feed its step metrics.
-            learner: Any = service if isinstance(config, LearnerConfig) else None
+            learner: Any = hosted.learner if isinstance(config, LearnerConfig) else None
             registry = daemon_registry(self.info, versions.versions, lambda: learner.metrics if learner else None)
             routes = [*service.http_routes(), metrics_route(registry)]
             self.server = ChunkServer(self.chunk_service, info=self.info, head=self._head_bytes, routes=routes,
@@ -317,6 +346,14 @@ class Daemon:
 
 def preflight(config: AnyDaemonConfig) -> None:
     """Check keys and files before touching the network; raises ValueError with a user-facing message."""
+    identity = config.overlay.identity
+    if identity is not None and Path(identity).exists():  # a missing one is created at start
+        from echo2swarm.wire.peer_keys import PeerKey
+
+        try:
+            PeerKey.load(Path(identity))
+        except ValueError as e:
+            raise ValueError(f"--identity {identity}: {e}") from None
     if isinstance(config, LearnerConfig):
         from echo2swarm.learner.versions import model_files
         from echo2swarm.wire.signing import PolicyKey

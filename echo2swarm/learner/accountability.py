@@ -4,10 +4,13 @@
             group refused for a lie ─► ledger.strike(peer, reason)   ─┐
             lease lapsed undelivered ─► ledger.lapsed(peer)           ├─► banned for the run past a threshold
     trainer: group failed verification ─► ledger.strike(peer, ...)  ─┘
-            groups delivered ─► ledger.delivered(peer, n)  (ends probation, resets the lapse count)
+            groups delivered ─► ledger.delivered(peer, n)  (resets the lapse count)
+            groups trained and not refused ─► ledger.verified(peer, n)  (graduation ends probation)
 
 Every peer-supplied claim is a claim until the peer delivers: a peer that never delivered gets
-only `probation_prompts` in flight. Prompts a peer took in the last `window_s` and did not deliver
+only `probation_prompts` in flight, and a peer stays on probation until `graduate_after_groups` of
+its groups passed the trainer's verification; the intake leases to peers on probation only from a
+pool all of them share, so no number of fresh identities takes work from graduated peers. Prompts a peer took in the last `window_s` and did not deliver
 are capped too, so a client that polls for leases and never submits holds a bounded share of the
 work, and is banned after `ban_after_lapsed_leases` leases in a row lapse. Memory is bounded: at
 most `max_tracked_peers` peers are tracked (the least recently seen unbanned one is forgotten
@@ -38,6 +41,7 @@ VIOLATIONS = frozenset({
 @dataclass
 class PeerRecord:
     delivered_groups: int = 0
+    verified_groups: int = 0  # delivered and passed the trainer's verification
     lapsed_in_a_row: int = 0
     strikes: Counter[str] = field(default_factory=Counter)
     taken: deque[tuple[float, int]] = field(default_factory=deque)  # (when, prompts) issued, within the window
@@ -68,8 +72,11 @@ class PeerLedger:
         return self.bans.get(peer)
 
     def on_probation(self, peer: str) -> bool:
+        """Not yet graduated: fewer than `graduate_after_groups` verified groups (always False when off)."""
+        if not self.config.enabled:
+            return False
         record = self.peers.get(peer)
-        return record is None or record.delivered_groups == 0
+        return record is None or record.verified_groups < self.config.graduate_after_groups
 
     def allowance(self, peer: str, want: int, open_leases: int, now: float) -> int:
         """How many of the `want` prompts `peer` may take now (0: none), given its `open_leases`."""
@@ -100,6 +107,16 @@ class PeerLedger:
         record.delivered_groups += groups
         record.lapsed_in_a_row = 0
         record.returned.append((now, groups))
+
+    def verified(self, peer: str, groups: int) -> None:
+        """`groups` of `peer` passed verification and trained: what graduation counts."""
+        if peer in self.bans:
+            return
+        record = self._record(peer)
+        was = record.verified_groups < self.config.graduate_after_groups
+        record.verified_groups += groups
+        if was and record.verified_groups >= self.config.graduate_after_groups:
+            self.stats["graduated"] += 1
 
     def lapsed(self, peer: str, now: float) -> Ban | None:
         """A lease of `peer` expired with prompts still open."""
@@ -158,7 +175,7 @@ class PeerLedger:
     def snapshot(self) -> dict[str, object]:
         return {
             "tracked": len(self.peers),
-            "probation": sum(1 for r in self.peers.values() if r.delivered_groups == 0),
+            "probation": sum(1 for r in self.peers.values() if r.verified_groups < self.config.graduate_after_groups),
             "banned": {peer: ban.reason for peer, ban in list(self.bans.items())[-64:]},
             **dict(self.stats),
         }

@@ -9,6 +9,12 @@
 Until `min_steps` steps have measured T_train, or while no plan meets the floor, every peer is
 active: an idle learner costs more than an extra peer. Only peers that asked this learner for
 work are planned, so peers of another learner in the same swarm never count.
+
+Trust is earned by sustained, verified delivery, never by a claim or a burst: a peer is planned
+only once `plan_after_groups` of its groups passed the trainer's verification, and a planned peer
+that goes quiet (no delivery and no request, or a lease held past its own lease time, for
+`quiet_after_s` or three times its lease time) loses its measured rate and that count, so it is
+replaced at the next re-plan and must deliver again before it can displace anyone.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from echo2swarm.config.rl import ActivationConfig, TrainConfig
@@ -26,19 +34,35 @@ from echo2swarm.control.telemetry import Ewma
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
+QUIET_LEASE_TIMES = 3.0  # a planned peer silent for this many of its own lease times is quiet
+MAX_MEASURED_PEERS = 10_000  # peers with a measured rate kept at most (the least recent delivery goes first)
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What the intake saw a peer do lately (clock of `time.monotonic`)."""
+
+    last_request: float  # its last lease request
+    oldest_open: float | None  # when its oldest open lease was issued; None: it holds none
 
 
 class LearnerActivation:
     """>>> act = LearnerActivation(ActivationConfig(), TrainConfig()); act.gate("12D3...") is None   # no plan yet: all active"""
 
-    def __init__(self, config: ActivationConfig, train: TrainConfig, t_bcast: Callable[[], float | None] = lambda: None):
+    def __init__(self, config: ActivationConfig, train: TrainConfig, t_bcast: Callable[[], float | None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.train = train
+        self.clock = clock
         self._t_bcast_source = t_bcast
         self.t_train = Ewma(config.ewma_alpha)
         self.l_gen = Ewma(config.ewma_alpha)
         self.l_work = Ewma(config.ewma_alpha)  # seconds a peer worked on one lease (no queueing)
         self.delivered: dict[str, Ewma] = {}
+        self.work_s: dict[str, Ewma] = {}  # per peer: seconds it works on one lease
+        self.last_delivery: dict[str, float] = {}
+        self.verified: Counter[str] = Counter()  # verified groups per peer (since it last went quiet)
+        self.quiet_events = 0  # planned peers dropped for going quiet
         self.controller = ActivationController(config.hysteresis)
         self.planned = False  # a plan is in force (else every peer may work)
         self.workers: dict[str, Worker] = {}  # last census of planned peers
@@ -68,9 +92,33 @@ class LearnerActivation:
         """`rollouts` took the peer `seconds` of work; `latency` (default: `seconds`) from lease issue to delivery."""
         if rollouts <= 0 or seconds <= 0:
             return
+        if peer not in self.delivered and len(self.delivered) >= MAX_MEASURED_PEERS:
+            self._forget(min(self.last_delivery, key=self.last_delivery.__getitem__))
         self.delivered.setdefault(peer, Ewma(self.config.ewma_alpha)).add(rollouts / seconds)
+        self.work_s.setdefault(peer, Ewma(self.config.ewma_alpha)).add(seconds)
+        self.last_delivery[peer] = self.clock()
         self.l_gen.add(seconds if latency is None else latency)
         self.l_work.add(seconds)
+
+    def on_verified(self, peers: Iterable[str]) -> None:
+        """One entry per group that passed the trainer's verification, naming its peer."""
+        self.verified.update(p for p in peers if p in self.delivered)  # only peers with a measured rate
+
+    def _quiet(self, peer: str, activity: Activity | None, now: float) -> bool:
+        """A planned peer that neither delivers nor asks for work (or sits on a lease) is quiet."""
+        if activity is None:
+            return False
+        work = self.work_s.get(peer)
+        limit = max(self.config.quiet_after_s, QUIET_LEASE_TIMES * (work.value or 0.0 if work else 0.0))
+        delivered = self.last_delivery.get(peer, -math.inf)
+        if activity.oldest_open is not None:  # it holds work: only delivering it counts
+            return now - max(delivered, activity.oldest_open) > limit
+        return now - max(delivered, activity.last_request) > limit
+
+    def _forget(self, peer: str) -> None:
+        """Back to unproven: no measured rate, no verified work to plan it by."""
+        for table in (self.delivered, self.work_s, self.last_delivery, self.verified):
+            table.pop(peer, None)
 
     def on_lapse(self, peer: str) -> None:
         """A lease of `peer` lapsed undelivered: its delivered rate takes a zero sample. A peer that
@@ -115,18 +163,27 @@ class LearnerActivation:
         return len(self.controller.active) if self.planned else len(self.workers)
 
     # -- loop ----------------------------------------------------------------------------------
-    def replan(self, cards: list[Any], seen: set[str]) -> None:
-        """One re-plan from the live cards; `seen` are the peers that asked this learner for work."""
+    def replan(self, cards: list[Any], seen: Collection[str], activity: Mapping[str, Activity] | None = None) -> None:
+        """One re-plan from the live cards; `seen` are the peers that asked this learner for work, and
+        `activity` what the intake saw them do (None: no liveness known, nobody is judged quiet)."""
+        now = self.clock()
+        if self.planned and activity is not None:
+            for peer in sorted(self.controller.active):
+                if peer in self.delivered and self._quiet(peer, activity.get(peer), now):
+                    logger.warning("activation: planned peer %s went quiet; out of the plan until it delivers %d "
+                                   "verified groups again", peer[-8:], self.config.plan_after_groups)
+                    self._forget(peer)
+                    self.quiet_events += 1
         workers = {}
         for card in cards:
             if card.role != "rollout" or card.state == "stopping" or card.peer_id not in seen:
                 continue
             # The card's rollouts_per_s is a claim; only what the peer delivered here counts (a lapsed
-            # lease as zero). A peer that has delivered nothing yet is on probation: not planned, so it
-            # can never put peers that deliver on standby, and never gated, so it can earn a rate.
+            # lease as zero), and only once enough of it passed verification. A peer not planned is
+            # never gated, so it can earn a rate and never puts peers that deliver on standby.
             ewma = self.delivered.get(card.peer_id)
             mu = ewma.value if ewma is not None else None
-            if mu is not None and mu > 0:
+            if mu is not None and mu > 0 and self.verified[card.peer_id] >= self.config.plan_after_groups:
                 workers[card.peer_id] = Worker(card.peer_id, mu=float(mu), price=card.price)
         self.workers = workers
         inputs = self.inputs()
@@ -154,11 +211,13 @@ class LearnerActivation:
                         [p[-8:] for p in decision.activated], [p[-8:] for p in decision.deactivated], decision.reason,
                         len(active), total, floor)
 
-    async def run(self, stop: asyncio.Event, get_cards: Callable[[], Any], seen: Callable[[], set[str]]) -> None:
+    async def run(self, stop: asyncio.Event, get_cards: Callable[[], Any],
+                  activity: Callable[[], Mapping[str, Activity]]) -> None:
         while not stop.is_set():
             try:
                 cards, _ = await get_cards()
-                self.replan(cards, seen())
+                seen = activity()
+                self.replan(cards, seen, seen)
             except Exception:  # a failed DHT read keeps the previous plan
                 logger.warning("re-plan failed; keeping the current active set", exc_info=True)
             try:
@@ -166,9 +225,10 @@ class LearnerActivation:
             except asyncio.TimeoutError:
                 pass
 
-    def ensure_running(self, stop: asyncio.Event, get_cards: Callable[[], Any], seen: Callable[[], set[str]]) -> None:
+    def ensure_running(self, stop: asyncio.Event, get_cards: Callable[[], Any],
+                       activity: Callable[[], Mapping[str, Activity]]) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(stop, get_cards, seen))
+            self._task = asyncio.create_task(self.run(stop, get_cards, activity))
 
     # -- reporting -----------------------------------------------------------------------------
     def step_metrics(self, step_s: float) -> dict[str, Any]:
@@ -192,6 +252,7 @@ class LearnerActivation:
             "publish_every": self.train.publish_every,
             "gamma": self.config.gamma,
             "delivered_mu": {p: round(e.value, 3) for p, e in self.delivered.items() if e.value is not None},
+            "quiet_events": self.quiet_events,
             "active": sorted(self.controller.active) if self.planned else sorted(self.workers),
             "plan": self.last_plan,
             "log": self.log[-20:],

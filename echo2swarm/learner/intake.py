@@ -38,6 +38,7 @@ from typing import Protocol
 
 from echo2swarm.config.rl import LeaseConfig, PeersConfig, TrainConfig
 from echo2swarm.learner.accountability import VIOLATIONS, Ban, PeerLedger
+from echo2swarm.learner.activation_loop import Activity
 from echo2swarm.learner.buffer import RolloutBuffer
 from echo2swarm.train.group import Group
 from echo2swarm.learner.leases import GroupLimits, LeaseManager, check_group
@@ -158,10 +159,31 @@ class Intake:
         self.work_freed()
 
     def reissue(self, groups: list[Group]) -> None:
-        """Thrown-away groups (a banned peer's, or refused by verification): their prompts go to others."""
-        indices = [g.prompt_index for g in groups if g.prompt_index is not None]
-        self.leases.requeue.extend(indices)
-        self.leases.stats["reissued_after_refusal"] += len(indices)
+        """Thrown-away groups (a banned peer's, or refused by verification): their prompts go to others,
+        never back to the peer whose group was thrown away."""
+        for g in groups:
+            if g.prompt_index is not None:
+                self.leases.put_back([g.prompt_index], not_to=g.peer_id)
+                self.leases.stats["reissued_after_refusal"] += 1
+
+    def verified(self, groups: list[Group]) -> None:
+        """These groups passed the trainer's verification: their peers' verified work (graduation)."""
+        for peer, n in Counter(g.peer_id for g in groups).items():
+            self.ledger.verified(peer, n)
+
+    def activity(self) -> dict[str, Activity]:
+        """What each peer that asked for work lately did: its last request and its oldest open lease
+        (what activation judges a planned peer's quietness by); banned peers left out."""
+        oldest: dict[str, float] = {}
+        for lease in self.leases.open.values():
+            oldest[lease.peer_id] = min(lease.issued_at, oldest.get(lease.peer_id, lease.issued_at))
+        return {peer: Activity(last_request=at, oldest_open=oldest.get(peer))
+                for peer, at in self.seen.items() if peer not in self.ledger.bans}
+
+    @property
+    def newcomer_capacity(self) -> int:
+        """Prompts all peers on probation may hold together (peers.newcomer_prompts, default R)."""
+        return self.ledger.config.newcomer_prompts or self.train.prompts_per_step
 
     @property
     def capacity(self) -> int:
@@ -172,9 +194,14 @@ class Intake:
         target = self.gate.inflight_target(self.train.prompts_per_step, self.train.inflight_headroom)
         return bound if target is None else max(self.train.prompts_per_step, min(bound, target))
 
-    def budget(self, held_version: int | None = None) -> int:
-        committed = self.leases.open_prompts() + self.buffer.count_usable(self.version)
+    def budget(self, held_version: int | None = None, newcomer: bool = False) -> int:
+        """Prompts a lease may take now: from the in-flight budget, or, for a peer on probation, from the
+        newcomers' pool, which is outside it (what newcomers hold never keeps work from graduated peers)."""
+        committed = self.leases.open_prompts(newcomer=False) + self.buffer.count_usable(self.version)
         budget = self.capacity - committed
+        if newcomer:
+            budget = self.newcomer_capacity - self.leases.open_prompts(newcomer=True)
+            committed += self.leases.open_prompts(newcomer=True)  # what trains first, for the window below
         if held_version is not None and held_version < self.version:
             # Groups of version h can train steps up to h + S; the committed ones train first. While a
             # step trains, `version` is already the next step, so a peer holding even the newest
@@ -237,15 +264,19 @@ class Intake:
             return LeaseWait(retry_s=self.ledger.config.capped_retry_s, reason=why, head=self.head_json, capped=True)
         min_version = max(1, self.version - self.train.staleness)
         min_version = min(min_version, self.published_version)
+        newcomer = self.ledger.on_probation(peer)
         lease = self.leases.issue(
-            peer, allowed, budget=self.budget(request.held_version), min_version=min_version,
-            now=self.clock(), prompt_id_of=lambda i: self.task.prompt(i).prompt_id,
+            peer, allowed, budget=self.budget(request.held_version, newcomer=newcomer), min_version=min_version,
+            now=self.clock(), prompt_id_of=lambda i: self.task.prompt(i).prompt_id, newcomer=newcomer,
         )
         if lease is not None:
             self.ledger.issued(peer, len(lease.prompts), self.clock())
         if lease is None:
             stale = request.held_version is not None and request.held_version < self.published_version
-            reason = f"fetch v{self.published_version} first" if stale else "enough work in flight"
+            if newcomer and not stale:
+                self.ledger.stats["newcomer_pool_full"] += 1
+            reason = (f"fetch v{self.published_version} first" if stale
+                      else "newcomers' share of the work is taken (probation)" if newcomer else "enough work in flight")
             return LeaseWait(retry_s=self.leases_config.wait_retry_s, reason=reason, head=self.head_json,
                              fetch_first=stale)
         return Lease(

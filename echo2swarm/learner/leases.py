@@ -1,7 +1,9 @@
 """Leases: which prompts each rollout peer is working on, and whether what it sends back is acceptable.
 
 Pure logic (no I/O, no clocks of its own: callers pass `now`), so every rule is unit-tested:
-- prompts are handed out in order from a cursor; prompts of expired leases are re-issued first;
+- prompts are handed out in order from a cursor; prompts of expired leases are re-issued first,
+  never to a peer whose group for that prompt was thrown away (`requeue(..., not_to=peer)`);
+- a lease is either from the in-flight budget or from the newcomers' pool (`newcomer`), counted apart;
 - a group is accepted only from the peer that holds the lease, for a prompt still open in it,
   generated with a version inside [current - S, current], with the group size, lengths, token
   ids and logprobs the lease allowed; each refusal has a reason that is counted.
@@ -26,6 +28,7 @@ class OpenLease:
     deadline: float
     min_version: int
     issued_at: float
+    newcomer: bool = False  # leased from the pool peers on probation share, outside the in-flight budget
 
 
 @dataclass(frozen=True)
@@ -49,22 +52,37 @@ class LeaseManager:
         self.max_prompts = max_prompts
         self.cursor = cursor
         self.requeue: deque[int] = deque(requeue)
+        self.avoid: dict[int, set[str]] = {}  # requeued prompt index -> peers it must not go back to
         self.open: dict[str, OpenLease] = {}
         self.stats: Counter[str] = Counter()
         self._done: set[tuple[str, str]] = set()  # (lease_id, prompt_id) completed, to tell duplicates apart
 
-    def open_prompts(self) -> int:
-        return sum(len(lease.prompts) for lease in self.open.values())
+    def open_prompts(self, newcomer: bool | None = None) -> int:
+        """Prompts open in leases: all, or only the newcomers' pool's (True) or the budget's (False)."""
+        return sum(len(lease.prompts) for lease in self.open.values() if newcomer is None or lease.newcomer == newcomer)
+
+    def put_back(self, indices: Iterable[int], not_to: str | None = None) -> None:
+        """Re-issue these prompts first, never to `not_to` (whose group for them was thrown away)."""
+        for i in indices:
+            self.requeue.append(i)
+            if not_to:
+                self.avoid.setdefault(i, set()).add(not_to)
 
     def issue(self, peer_id: str, want: int, *, budget: int, min_version: int, now: float,
-              prompt_id_of: Callable[[int], str] = lambda i: f"train:{i}") -> OpenLease | None:
+              prompt_id_of: Callable[[int], str] = lambda i: f"train:{i}", newcomer: bool = False) -> OpenLease | None:
         n = min(want, self.max_prompts, budget)
         if n <= 0:
             return None
-        indices = []
+        indices, passed = [], []
         while len(indices) < n and self.requeue:
-            indices.append(self.requeue.popleft())
+            i = self.requeue.popleft()
+            if peer_id in self.avoid.get(i, ()):
+                passed.append(i)  # someone else's, in its place in the queue
+                continue
+            self.avoid.pop(i, None)
+            indices.append(i)
             self.stats["reissued"] += 1
+        self.requeue.extendleft(reversed(passed))
         while len(indices) < n:
             indices.append(self.cursor)
             self.cursor += 1
@@ -75,6 +93,7 @@ class LeaseManager:
             deadline=now + self.timeout_s,
             min_version=min_version,
             issued_at=now,
+            newcomer=newcomer,
         )
         self.open[lease.lease_id] = lease
         self.stats["leases"] += 1

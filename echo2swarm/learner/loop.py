@@ -187,8 +187,8 @@ class Learner:
         assert self.intake is not None and self.trainer is not None
         intake, train = self.intake, self.train
         while self.steps_done < train.steps and not stop.is_set():
-            # Banned peers are out of the plan; `seen` is every peer that asked for work.
-            self.activation.ensure_running(stop, self.overlay.get_cards, lambda: set(intake.seen) - set(intake.ledger.bans))
+            # Peers that asked for work, and what they did lately (banned ones are out of the plan).
+            self.activation.ensure_running(stop, self.overlay.get_cards, intake.activity)
             step_started = time.monotonic()
             if not await self._wait_for_batch(stop):
                 break
@@ -226,7 +226,8 @@ class Learner:
             stop.set()  # training is over: the daemon shuts down cleanly
 
     def _judge(self, groups: list[Group], refused: list[tuple[str, str, str]]) -> None:
-        """Strikes for groups verification refused (lies), counts for atypical ones; their prompts go out again."""
+        """Strikes for groups verification refused (lies), counts for atypical ones; their prompts go out
+        again, to other peers; the rest is verified work, which graduation and activation count."""
         assert self.intake is not None
         for peer, prompt_id, reason in refused:
             logger.warning("group %s from %s failed verification (%s): not trained on", prompt_id, peer, reason)
@@ -236,6 +237,9 @@ class Learner:
                 self.intake.strike(peer, f"verify_{reason}")
         thrown = {(peer, prompt_id) for peer, prompt_id, _ in refused}
         self.intake.reissue([g for g in groups if (g.peer_id, g.prompt_id) in thrown])
+        verified = [g for g in groups if (g.peer_id, g.prompt_id) not in thrown]
+        self.intake.verified(verified)  # graduation from probation (learner/accountability.py)
+        self.activation.on_verified(g.peer_id for g in verified)  # what activation plans with (learner/activation_loop.py)
 
     def _write_metrics(self, groups: list[Group], stats: dict[str, Any], *, trained_version: int, started: float,
                        step_started: float, waited: float, busy: float, t_publish: float) -> None:

@@ -5,7 +5,8 @@
          └ stop(): DHT node, then p2pd, bounded by a timeout
 
 Identity: p2pd's libp2p key also signs our peer card, so the overlay must hold it. With
-`--identity PATH` that file is used (created as an Ed25519 key if missing). Without it a fresh
+`--identity PATH` that file is used (created as an Ed25519 key if missing; an RSA file, as hivemind's
+`P2P.generate_identity` writes, works too). Without it a fresh
 Ed25519 key is generated per start, handed to p2pd through a 0600 temporary file in the state
 dir that is deleted as soon as p2pd has read it: a fresh peer id per start, as before, and no
 key left on disk.
@@ -260,8 +261,10 @@ class Overlay:
             host_maddrs=[] if client else config.host_maddrs,
             announce_maddrs=config.announce_maddrs or None,
             identity_path=str(identity_path),
-            # hivemind's "is this identity taken" probe parses RSA keys only; a fresh key is never taken
-            check_if_identity_free=not (temporary or key.is_ed25519),
+            # hivemind's "is this identity taken" probe (run only for RSA files: it parses no other key) starts
+            # a second p2pd through this class, so with our static-relay flags but without the relays: p2pd
+            # panicked ("autoRelay requires ... -trustedRelays"). Skipped for every key type alike.
+            check_if_identity_free=False,
             dht_mode="client" if client else "server",
             use_relay=config.use_relay,
             use_auto_relay=auto_relay,
@@ -305,6 +308,9 @@ class Overlay:
                 await _quiet_shutdown(p2p)
             if isinstance(e, BootstrapError):
                 raise
+            # p2pd exited at start: only its "failed to connect to bootstrap peers" is about --initial-peers
+            if p2p is None and not isinstance(e, asyncio.TimeoutError) and "bootstrap peers" not in str(e):
+                raise BootstrapError(f"p2pd did not start: {type(e).__name__}: {e}") from None
             if config.initial_peers:
                 raise BootstrapError(
                     f"could not reach any of --initial-peers within {config.bootstrap_timeout_s:.0f} s "

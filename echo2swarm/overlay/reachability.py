@@ -184,7 +184,6 @@ async def probe(overlay: Overlay, targets: list[str], ports: list[int], chunk_po
     for target in targets:
         if target == overlay.peer_id:
             continue
-        sent = clock()
         try:
             stub = RpcStub(overlay.p2p, overlay.config.swarm, DIALBACK_RPC, target)
             reply = await stub.dialback(request, timeout=timeout)

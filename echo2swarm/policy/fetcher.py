@@ -5,6 +5,8 @@
         chunks:   `parallel_chunks` in flight, in manifest order (so chains pipeline); each chunk
                   tries its route in order and moves on when a source is busy, missing the chunk,
                   unreachable, stalled, too slow or wrong
+        both:     a request slower than the recent median is hedged (`policy/hedge.py`): the next
+                  source is asked beside it, the first verified copy wins, the other is cancelled
 
 A chunk whose bytes do not hash to its name is never written, so it can never be served onward.
 
@@ -12,9 +14,13 @@ Sources that misbehave are banned (`SourceBans`): a source that stalls, falls be
 `fetch.min_rate_bps` once a body has had `fetch.min_rate_grace_s`, is unreachable, or sends a
 truncated, oversized or wrong body is not asked again for `fetch.ban_s`, doubling with each repeat
 up to `fetch.ban_max_s`. The bans outlive the version fetch (the follower keeps one `SourceBans`
-for its lifetime), so a dripping peer costs one grace period, not one per chunk of every version.
+for its lifetime), so a dripping peer costs one hedge delay, not one per chunk of every version.
 The learner (the publisher, the source of last resort) is never banned: when it misbehaves it is
-paused for `fetch.retry_backoff_s`, doubling, and asked again.
+paused for `fetch.retry_backoff_s`, doubling, and asked again. A request that a hedge outpaced while
+it brought less than `fetch.min_rate_bps` is slow too (`hedge.outpaced_slow`): banned the same way,
+with no grace, unless chunks its source delivered earned it credit (`hedge.RaceCredit`). Counted
+with the rest: `hedges_fired`, `hedges_won` (the hedge brought the chunk) and `hedge_bytes` (bytes
+of requests cancelled because another copy won).
 
 The sources themselves (HTTP, libp2p, and how each can fail) are in `policy/sources.py`.
 """
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from echo2swarm.config.models import FetchConfig
+from echo2swarm.policy.hedge import Pace, Race, RaceCredit, Request, outpaced_slow
 from echo2swarm.policy.manifest import BaseRef, ChunkRef, Manifest, ManifestError, verify_linked_manifest, verify_manifest
 from echo2swarm.policy.sources import (
     ChunkSource,
@@ -202,9 +209,35 @@ class PolicyFetcher:
         self.bans = bans if bans is not None else SourceBans(config)
         self.bans.stats = self.stats  # its counters are reported with the fetch's (`stats.fetch`)
         self.bytes_from: Counter[str] = Counter()  # by source name, for the current version
+        self.pace = Pace(config)  # recent chunk times, across versions: when to hedge
+        self.credit = RaceCredit(2 * config.parallel_chunks)  # races a source that delivered may lose unbanned
 
     def _fault(self, source: ChunkSource, reason: str, detail: str, publisher: str | None) -> None:
         self.bans.strike(source.name, reason, last_resort=source.name == publisher, detail=detail)
+
+    def _cancelled(self, requests: list[Request]) -> None:
+        """Requests cancelled because another copy won (or the race ended): their bytes were duplicates."""
+        self.stats["hedge_bytes"] += sum(r.progress.received for r in requests)
+
+    async def _won(self, race: Race, winner: Request, what: str, publisher: str | None, size: int | None = None) -> None:
+        """`winner` brought bytes that verified: cancel the rest of its race, ban what it outpaced while
+        below the minimum rate (unless its credit covers it), and (a chunk of `size` bytes) learn its time."""
+        losers = await race.close()
+        now = time.monotonic()
+        self._cancelled(losers)
+        if winner.hedge:
+            self.stats["hedges_won"] += 1
+        rate = self.config.min_rate_bps
+        for loser in losers:
+            if loser.asked < winner.asked and outpaced_slow(loser.progress, now, rate) \
+                    and not self.credit.spend(loser.source.name):
+                self.stats["source_error"] += 1  # counted as the minimum-rate cut-off it stands in for
+                self.stats["source_slow"] += 1
+                age = now - (loser.progress.begun_at or now)
+                self._fault(loser.source, "slow", f"{what}: outpaced by {winner.source.name}, {loser.progress.received} "
+                            f"bytes in {age:.1f} s, below {rate} bytes/s", publisher)
+        if size is not None and winner.progress.begun_at is not None:
+            self.pace.record(winner.ended - winner.progress.begun_at, size)
 
     async def fetch_manifest(
         self, head: HeadRecord, sources: list[ChunkSource], *, trusted: PublicKey, swarm: str,
@@ -214,7 +247,7 @@ class PolicyFetcher:
         `publisher` (the name of the learner's source), which is always asked."""
         limit = min(head.manifest_size, self.config.max_manifest_bytes)
         return await self._first_manifest(
-            head.version, limit, sources, publisher,
+            head.version, limit, sources, publisher, head.manifest_size,
             lambda data: verify_manifest(data, head, trusted=trusted, swarm=swarm, max_chunk_bytes=self.config.max_chunk_bytes),
         )
 
@@ -224,13 +257,13 @@ class PolicyFetcher:
         """An older version's manifest named by a hash link (a delta's base, a keyframe), verified like
         `fetch_manifest` but against the link's sha256."""
         return await self._first_manifest(
-            ref.version, self.config.max_manifest_bytes, sources, publisher,
+            ref.version, self.config.max_manifest_bytes, sources, publisher, None,
             lambda data: verify_linked_manifest(data, ref, trusted=trusted, swarm=swarm,
                                                 max_chunk_bytes=self.config.max_chunk_bytes),
         )
 
     async def _first_manifest(
-        self, version: int, limit: int, sources: list[ChunkSource], publisher: str | None,
+        self, version: int, limit: int, sources: list[ChunkSource], publisher: str | None, size: int | None,
         verify: Callable[[bytes], Manifest],
     ) -> tuple[Manifest, bytes]:
         # Sources that answer busy (429, 503: a herd of followers that saw the same head at once) are
@@ -240,30 +273,39 @@ class PolicyFetcher:
         while True:
             last: Exception | None = None
             only_busy = True
-            for source in sources:
-                if source.name != publisher and self.bans.banned(source.name):
-                    continue
-                try:
-                    data = await source.manifest(version, limit)
-                    return verify(data), data
-                except SourceError as e:
-                    busy = isinstance(e, SourceBusy)
-                    self.stats["source_busy" if busy else "source_error"] += 1
-                    only_busy = only_busy and busy
-                    if isinstance(e, SourceFault):
-                        self.stats[f"source_{e.reason}"] += 1
-                        self._fault(source, e.reason, str(e), publisher)
-                    elif isinstance(e, SourceUnreachable) and source.name != publisher:
-                        self._fault(source, "unreachable", str(e), publisher)
-                    last = e
-                except ManifestError as e:
-                    # A signed head but a bad manifest means the source lies: try the next one.
-                    only_busy = False
-                    self.stats[f"manifest_{e.reason}"] += 1
-                    logger.warning("manifest v%d from %s refused: %s", version, source.name, e)
-                    if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
-                        self._fault(source, "bad_manifest", str(e), publisher)
-                    last = e
+            race = Race([(s, 0.0) for s in sources], lambda s, wait, p: s.manifest(version, limit, progress=p),
+                        self.pace.delay_s(size), skip=lambda n, s: s.name != publisher and self.bans.banned(s.name),
+                        stats=self.stats)
+            try:
+                while (request := await race.next()) is not None:
+                    source = request.source
+                    try:
+                        data = request.task.result()
+                        manifest = verify(data)
+                    except SourceError as e:
+                        busy = isinstance(e, SourceBusy)
+                        self.stats["source_busy" if busy else "source_error"] += 1
+                        only_busy = only_busy and busy
+                        if isinstance(e, SourceFault):
+                            self.stats[f"source_{e.reason}"] += 1
+                            self._fault(source, e.reason, str(e), publisher)
+                        elif isinstance(e, SourceUnreachable) and source.name != publisher:
+                            self._fault(source, "unreachable", str(e), publisher)
+                        last = e
+                        continue
+                    except ManifestError as e:
+                        # A signed head but a bad manifest means the source lies: try the next one.
+                        only_busy = False
+                        self.stats[f"manifest_{e.reason}"] += 1
+                        logger.warning("manifest v%d from %s refused: %s", version, source.name, e)
+                        if e.reason == "hash_mismatch":  # not the bytes the head signs: this source's doing
+                            self._fault(source, "bad_manifest", str(e), publisher)
+                        last = e
+                        continue
+                    await self._won(race, request, f"manifest v{version}", publisher)
+                    return manifest, data
+            finally:
+                self._cancelled(await race.close())
             if only_busy and last is not None and time.monotonic() < deadline:
                 rounds += 1
                 await asyncio.sleep(busy_pause_s(rounds))
@@ -294,6 +336,67 @@ class PolicyFetcher:
         await asyncio.sleep(pause)
         return [last]
 
+    async def _chunk_round(
+        self, ref: ChunkRef, version: int, candidates: list[tuple[ChunkSource, float]], patience: ParentPatience,
+        sink: Assembly | None, publisher: str | None,
+    ) -> str:
+        """One round over a chunk's route, hedged (`Race`). Returns "done" (stored), "again" (ask the plan
+        parent again shortly: it has not begun the version), "busy" (every source asked was full) or "failed"."""
+        what = f"chunk {ref.sha256[:12]} of v{version}"
+        only_busy = True
+        # Banned meanwhile (by another chunk's request): skipped at its turn, unless it is all there is.
+        race = Race(candidates, lambda s, wait, p: s.chunk(ref, wait=wait, version=version, progress=p),
+                    self.pace.delay_s(ref.size), skip=lambda n, s: n > 0 and self.bans.banned(s.name), stats=self.stats)
+        try:
+            while (request := await race.next()) is not None:
+                source, wait = request.source, request.wait
+                try:
+                    data = request.task.result()
+                except SourceBusy:
+                    self.stats["source_busy"] += 1
+                    continue
+                except SourceUnreachable as e:
+                    self.stats["source_unreachable"] += 1
+                    only_busy = False
+                    self._fault(source, "unreachable", str(e), publisher)
+                    continue
+                except SourceMissing:
+                    self.stats["source_missing"] += 1
+                    if request.index == 0 and wait > 0 and patience.ask_again(source.name, request.ended - request.asked,
+                                                                               wait):
+                        return "again"
+                    only_busy = False
+                    continue
+                except SourceError as e:
+                    self.stats["source_error"] += 1
+                    only_busy = False
+                    if isinstance(e, SourceFault):
+                        self.stats[f"source_{e.reason}"] += 1
+                        self._fault(source, e.reason, f"{what}: {e}", publisher)
+                    else:
+                        logger.info("chunk %s: %s", ref.sha256[:12], e)
+                    continue
+                try:
+                    await asyncio.to_thread(self._keep, ref.sha256, data, sink)
+                except ChunkHashError:
+                    self.stats["bad_chunk"] += 1
+                    only_busy = False
+                    logger.warning("chunk %s of v%d from %s does not match its hash: refused, source banned",
+                                   ref.sha256[:12], version, source.name)
+                    self._fault(source, "bad_chunk", what, publisher)
+                    continue
+                await self._won(race, request, what, publisher, ref.size)
+                self.stats["chunks_fetched"] += 1
+                self.stats["bytes_fetched"] += ref.size
+                self.bytes_from[source.name] += ref.size
+                self.credit.delivered(source.name)
+                if wait > 0:
+                    patience.begun(source.name)
+                return "done"
+        finally:
+            self._cancelled(await race.close())
+        return "busy" if only_busy else "failed"
+
     async def fetch_chunks(
         self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None,
         sink: Assembly | None = None, publisher: str | None = None, refs: list[ChunkRef] | None = None,
@@ -316,63 +419,16 @@ class PolicyFetcher:
             async with slots:
                 deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
                 while True:
-                    only_busy = True
-                    again = False  # the plan parent has not begun this version yet: ask it again shortly
                     candidates = await self._usable(route(index, ref), publisher, deadline, manifest.version)
-                    for n, (source, wait) in enumerate(candidates):
-                        # Banned meanwhile (by another chunk's request): skip it, unless it is all there is.
-                        if n and self.bans.banned(source.name):
-                            continue
-                        asked = time.monotonic()
-                        try:
-                            data = await source.chunk(ref, wait=wait, version=manifest.version)
-                        except SourceBusy:
-                            self.stats["source_busy"] += 1
-                            continue
-                        except SourceUnreachable as e:
-                            self.stats["source_unreachable"] += 1
-                            only_busy = False
-                            self._fault(source, "unreachable", str(e), publisher)
-                            continue
-                        except SourceMissing:
-                            self.stats["source_missing"] += 1
-                            if n == 0 and wait > 0 and patience.ask_again(source.name, time.monotonic() - asked, wait):
-                                again = True
-                                break
-                            only_busy = False
-                            continue
-                        except SourceError as e:
-                            self.stats["source_error"] += 1
-                            only_busy = False
-                            if isinstance(e, SourceFault):
-                                self.stats[f"source_{e.reason}"] += 1
-                                self._fault(source, e.reason, f"chunk {ref.sha256[:12]} of v{manifest.version}: {e}",
-                                            publisher)
-                            else:
-                                logger.info("chunk %s: %s", ref.sha256[:12], e)
-                            continue
-                        try:
-                            await asyncio.to_thread(self._keep, ref.sha256, data, sink)
-                        except ChunkHashError:
-                            self.stats["bad_chunk"] += 1
-                            only_busy = False
-                            logger.warning("chunk %s of v%d from %s does not match its hash: refused, source banned",
-                                           ref.sha256[:12], manifest.version, source.name)
-                            self._fault(source, "bad_chunk", f"chunk {ref.sha256[:12]} of v{manifest.version}",
-                                        publisher)
-                            continue
-                        self.stats["chunks_fetched"] += 1
-                        self.stats["bytes_fetched"] += ref.size
-                        self.bytes_from[source.name] += ref.size
-                        if wait > 0:
-                            patience.begun(source.name)
+                    outcome = await self._chunk_round(ref, manifest.version, candidates, patience, sink, publisher)
+                    if outcome == "done":
                         on_chunk(ref.sha256)
                         return
-                    if again:
+                    if outcome == "again":
                         await asyncio.sleep(random.uniform(0.5, 1.0) * PARENT_RETRY_S)
                         continue
                     # Busy sources are not failing, only full: retry them until the deadline.
-                    rounds += 0 if only_busy else 1
+                    rounds += 0 if outcome == "busy" else 1
                     if rounds >= self.config.attempts_per_chunk or time.monotonic() > deadline:
                         raise FetchError(
                             f"chunk {ref.sha256[:12]} of v{manifest.version} failed {rounds} rounds over its sources"

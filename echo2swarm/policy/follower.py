@@ -59,6 +59,7 @@ from echo2swarm.policy.manifest import ChunkRef, ManifestError, verify_head
 from echo2swarm.wire.records import HeadRecord, parse_head
 from echo2swarm.wire.signing import PublicKey
 from echo2swarm.policy.p2p import P2PSource
+from echo2swarm.policy.peer_auth import PeerSigner, SignedSession
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore, collect_garbage
 from echo2swarm.policy.trust import TrustAnchor
@@ -96,6 +97,9 @@ class PolicyFollower:
         self.chunks = chunks
         self.versions = versions
         self.session = session
+        # Our HTTP requests to peers carry a credential of our peer id (policy/peer_auth.py): a peer seen
+        # working by the server may take its reserves of held requests and connections.
+        self.signer = PeerSigner(overlay.key)
         self.on_version = on_version
         self.on_state = on_state  # the card changed (fetch began or ended): announce it now
         # Versions whose files a reader still needs (the rollout engine's: see EngineWeights.in_use);
@@ -227,6 +231,7 @@ class PolicyFollower:
                                         sock_connect=self.fetch_config.manifest_timeout_s)
         try:
             async with self.session.get(f"{url}/v1/head", params={"after": str(after), "wait": f"{wait:g}"},
+                                        headers=self.signer.headers(self.publisher, "/v1/head"),
                                         timeout=timeout) as resp:
                 if resp.status != 200 or (resp.content_length or 0) > MAX_HEAD_BYTES:
                     return None
@@ -421,7 +426,8 @@ class PolicyFollower:
         source = self._sources.get(peer_id)
         if source is None or getattr(source, "url", None) != card.chunk_url:  # new peer, or it moved
             name = f"{card.role}:{peer_id[-8:]}"
-            http = HttpSource(self.session, card.chunk_url, self.fetch_config, name=name, peer_id=peer_id) if card.chunk_url else None
+            http = HttpSource(SignedSession(self.session, self.signer, peer_id), card.chunk_url,  # type: ignore[arg-type]
+                              self.fetch_config, name=name, peer_id=peer_id) if card.chunk_url else None
             p2p = P2PSource(self.overlay, peer_id, list(card.maddrs), self.fetch_config, name=name)
             source = self._sources[peer_id] = PeerSource(http, p2p, name, peer_id, url=card.chunk_url,
                                                          config=self.fetch_config)
@@ -436,7 +442,8 @@ class PolicyFollower:
         cached = self._publisher_cache
         if cached is None or cached[0] != address:
             name = f"learner:{head.publisher[-8:]}"
-            http = HttpSource(self.session, head.chunk_url, self.fetch_config, name=name, peer_id=head.publisher) \
+            http = HttpSource(SignedSession(self.session, self.signer, head.publisher),  # type: ignore[arg-type]
+                              head.chunk_url, self.fetch_config, name=name, peer_id=head.publisher) \
                 if head.chunk_url else None
             p2p = P2PSource(self.overlay, head.publisher, list(head.maddrs), self.fetch_config, name=name)
             cached = self._publisher_cache = (address, PeerSource(http, p2p, name, head.publisher, url=head.chunk_url,

@@ -17,7 +17,7 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import MAX_VERSION
 from echo2swarm.overlay.streams import FrameWriter, Handler, StreamError, open_frames, serve_frames, stream_name
-from echo2swarm.policy.sources import SourceBusy, SourceError, SourceMissing, SourceUnreachable
+from echo2swarm.policy.sources import Progress, SourceBusy, SourceError, SourceMissing, SourceUnreachable
 from echo2swarm.policy.manifest import ChunkRef
 from echo2swarm.policy.budgets import Refused
 from echo2swarm.policy.server import ChunkService
@@ -86,9 +86,9 @@ def p2p_handler(service: ChunkService, served_to: ServedTo | None = None) -> Han
             with f:
                 with service.upload_slot(client):
                     size = f.seek(0, 2)
-                    await out.header(200, size)
                     f.seek(0)
-                    await service.upload(f, out.write)
+                    await service.upload(f, out.write, header=lambda: out.header(200, size),
+                                         peer=client.removeprefix("peer:"))
                     if served_to is not None:
                         served_to.add(client.removeprefix("peer:"), size)
         else:
@@ -125,18 +125,19 @@ class P2PSource:
         self._protocol = stream_name(overlay.config.swarm, "chunks")
         self._opened_at = float("-inf")  # when a stream to this peer last opened
 
-    async def _get(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
+    async def _get(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float = 0.0,
+                   progress: Progress | None = None) -> bytes:
         # A stream opened less than CONNECTED_S ago: the connection is up, so skip p2pd's connect (a
         # control request and the addresses' parsing, per chunk); if the stream does not open, connect.
         if time.monotonic() - self._opened_at < CONNECTED_S:
             try:
-                return await self._request(request, max_bytes, timeout, wait, dial=False)
+                return await self._request(request, max_bytes, timeout, wait, dial=False, progress=progress)
             except SourceUnreachable:
                 self._opened_at = float("-inf")
-        return await self._request(request, max_bytes, timeout, wait, dial=True)
+        return await self._request(request, max_bytes, timeout, wait, dial=True, progress=progress)
 
     async def _request(self, request: dict[str, object], max_bytes: int, timeout: float, wait: float,
-                       dial: bool) -> bytes:
+                       dial: bool, progress: Progress | None = None) -> bytes:
         connect_timeout = min(timeout, self.overlay.config.dht_timeout_s + wait)
         try:
             # The newest card's addresses: a peer behind NAT gains its /p2p-circuit address after it joined.
@@ -153,12 +154,16 @@ class P2PSource:
                     raise SourceError(f"{self.name}: status {status}: {str(head.get('error', ''))[:100]}")
                 if size > max_bytes:
                     raise SourceError(f"{self.name}: {size} bytes exceeds the {max_bytes} limit")
+                if progress is not None:
+                    progress.begin()
                 buf = bytearray()
                 while len(buf) < size:
                     piece = await asyncio.wait_for(body.read(min(1 << 16, size - len(buf))), self.config.stall_timeout_s)
                     if not piece:
                         raise SourceError(f"{self.name}: stream ended after {len(buf)} of {size} bytes")
                     buf += piece
+                    if progress is not None:
+                        progress.received += len(piece)
                 return bytes(buf)
         except StreamError as e:
             raise SourceUnreachable(str(e)) from None
@@ -167,17 +172,20 @@ class P2PSource:
         except (ConnectionError, OSError) as e:
             raise SourceError(f"{self.name}: {type(e).__name__}: {e}") from None
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
-        return await self._get({"op": "manifest", "version": version}, max_bytes, self.config.manifest_timeout_s)
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
+        return await self._get({"op": "manifest", "version": version}, max_bytes, self.config.manifest_timeout_s,
+                               progress=progress)
 
     async def plan(self, version: int, max_bytes: int) -> bytes:
         return await self._get({"op": "plan", "version": version}, max_bytes, self.config.manifest_timeout_s)
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
         request: dict[str, object] = {"op": "chunk", "sha256": ref.sha256}
         if wait > 0 and version is not None:
             request.update(wait=float(wait), version=version)
-        data = await self._get(request, min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait)
+        data = await self._get(request, min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait,
+                               progress)
         if len(data) != ref.size:
             raise SourceError(f"{self.name}: chunk {ref.sha256[:12]} is {len(data)} bytes, expected {ref.size}")
         return data

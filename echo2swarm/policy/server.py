@@ -8,22 +8,16 @@
     GET /v1/chunk/{sha256}[?wait=S&v=V] -> the chunk's bytes
     GET <extra routes>                 -> what the daemon adds (`routes=`): /metrics, the live page
 
-With `chunks=False` (a bootstrap daemon, or `--no-chunk-server`) only /v1/info and the extra
-routes are served: the daemon's own HTTP server for its operator, which serves the swarm nothing.
+With `chunks=False` (bootstrap, `--no-chunk-server`) only /v1/info and the extra routes are served.
+`ChunkService` is what both transports share (what may be served, budgets, upload limit);
+`ChunkServer` is its HTTP front end, `policy/p2p.py` the libp2p one.
 
-`ChunkService` is the part both transports share: what may be served, the budgets, the upload
-limit. `ChunkServer` is its HTTP front end; `policy/p2p.py` is the libp2p one.
+A follower long-polls the learner's head (policy/head_watch.py).
 
-A follower long-polls the learner's head (`HeadWatch`): the request is held (at most
-`chunk_server.wait_s`, in the `waiting` budget) until a head newer than `after` is published and its
-broadcast plan served (the version store wakes the watch on install), else answered at the end of
-the wait with the current head; the follower verifies it like a head read from the DHT.
-
-Only what the store holds is served, and the store only holds verified bytes. A chunk of the
-version this peer is still fetching is served as soon as it is verified: with `wait`, the request
-is held (at most `chunk_server.wait_s`) until it arrives, which is what pipelines the broadcast.
-Only the version whose signed manifest this peer verified is waited for; a wait for any other
-version is answered at once.
+Only what the store holds is served, and it holds only verified bytes. A chunk of the version this
+peer is still fetching is served as soon as it is verified: with `wait`, the request is held (at
+most `chunk_server.wait_s`) until it arrives, which pipelines the broadcast. Only the version whose
+signed manifest this peer verified is waited for; a wait for any other is answered at once.
 
 A flood must not starve the daemon, so capacity is split into budgets (`Budget`), each capped for
 all clients together and per client (IP address over HTTP, peer id over libp2p):
@@ -33,23 +27,26 @@ all clients together and per client (IP address over HTTP, peer id over libp2p):
     waiting      chunk requests held for a chunk of the version in flight, and head long-polls
     uploads      chunk bodies being streamed (after any wait: a held request holds no upload slot)
 
+`waiting`, `connections` and `streams` keep a reserve only peers seen working (policy/working.py)
+may take; everyone else together, however many addresses or identities, gets the rest. A working
+peer is known by its requests' credential over HTTP (policy/peer_auth.py), its peer id over libp2p.
+
 Past a per-client cap the answer is 429, past a global cap 503, both with `Retry-After`, counted
-in `stats` by reason. Chunk bodies are streamed inside the handler, so every transfer is inside its
-budget and `request_timeout_s`, and every chunk byte passes the daemon's upload limiter. The
-request limits and timeouts: docs/protocol.md §6.
+in `stats` by reason. Chunk bodies are streamed inside the handler, within their budget and
+`request_timeout_s`, every byte through the upload limiter; the header goes out with the first block
+(followers time a body from its header: policy/hedge.py). Limits and timeouts: docs/protocol.md §6.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import os
 import re
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -58,10 +55,13 @@ from aiohttp import web
 from echo2swarm import __version__
 from echo2swarm.config.models import ChunkServerConfig
 from echo2swarm.policy.budgets import Budget, Refused
+from echo2swarm.policy.head_watch import HeadWatch
 from echo2swarm.policy.limiter import RateLimiter
+from echo2swarm.policy.peer_auth import HEADER, CredentialCheck, CredentialRefused
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.policy.uplink import UplinkMeter
+from echo2swarm.policy.working import WorkingPeers
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -70,114 +70,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _VERSION = re.compile(r"[1-9][0-9]{0,12}")  # up to MAX_VERSION = 10**12
 WRITE_BLOCK = 256 * 1024
-HEAD_RECHECK_S = 0.02  # after a version is installed: seconds between reads of the head until the new one is out
-HEAD_SETTLE_S = 2.0  # ... for at most this long; then waiters get whatever head there is (no plan, say)
-
-
-class HeadWatch:
-    """Long-polls of the head: `wait_newer(after, timeout)` returns once a head newer than `after` is
-    out and `ready` (its broadcast plan is served, so followers find their parents at once).
-
-    `wake(version)` (from any thread: the version store calls it when it installs a version) marks
-    that version as coming; while anyone waits, one task reads the head every HEAD_RECHECK_S until a
-    ready head of that version (or newer) is out, for at most HEAD_SETTLE_S after the wake (then it
-    takes whatever newer head there is, plan or not), releasing the waiters as each newer head comes
-    out. Otherwise the head is read once when a request comes and once when it is answered.
-
-    >>> watch = HeadWatch(head=lambda: signed_head_json, ready=lambda v: plan(v) is not None)
-    >>> data = await watch.wait_newer(after=6, timeout=10.0)   # v7's head, or the current one at timeout
-    """
-
-    def __init__(self, head: Callable[[], bytes | None], ready: Callable[[int], bool] = lambda version: True):
-        self.head = head
-        self.ready = ready
-        self.version = 0  # the newest ready head's version seen
-        self.waiters = 0
-        self._coming = 0  # the newest version installed (woken for), whose head may not be out yet
-        self._woken_at = float("-inf")
-        self._changed: asyncio.Condition | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._settling: asyncio.Task[None] | None = None
-
-    def _current(self) -> tuple[int, bytes | None]:
-        data = self.head()
-        if data is None:
-            return 0, None
-        try:
-            version = json.loads(data)["version"]
-        except (ValueError, KeyError, TypeError):
-            return 0, data
-        return (version if isinstance(version, int) else 0), data
-
-    def bind(self) -> None:
-        """Attach to the running loop (the server's): `wake` is then safe from any thread."""
-        self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Condition()
-
-    def wake(self, version: int) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(self._woke, version)
-        except RuntimeError:  # the loop closed meanwhile
-            pass
-
-    def _woke(self, version: int) -> None:
-        self._coming = max(self._coming, version)
-        self._woken_at = time.monotonic()
-        self._settle()
-
-    def _settle(self) -> None:
-        """Watch the head while anyone waits and an installed version's head is not out yet."""
-        pending = self.version < self._coming and time.monotonic() < self._woken_at + HEAD_SETTLE_S
-        if self.waiters and pending and (self._settling is None or self._settling.done()):
-            self._settling = asyncio.get_running_loop().create_task(self._watch())
-
-    async def _watch(self) -> None:
-        while self.waiters and self.version < self._coming:
-            version, _ = self._current()
-            settled = time.monotonic() >= self._woken_at + HEAD_SETTLE_S
-            if version > self.version and (settled or self.ready(version)):
-                await self._publish(version)
-            elif settled:
-                return
-            await asyncio.sleep(HEAD_RECHECK_S)
-
-    async def _publish(self, version: int) -> None:
-        self.version = max(self.version, version)
-        assert self._changed is not None
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def wait_newer(self, after: int, timeout: float) -> bytes | None:
-        """The head once its version is above `after` (at once if it is already), else the current
-        head after `timeout` s (None: this peer announces none)."""
-        version, data = self._current()
-        if version > after or self._changed is None or timeout <= 0:
-            return data
-        if version > self.version and self.ready(version):
-            self.version = version  # out and ready already (nobody waited when it came)
-        changed = self._changed
-        self.waiters += 1
-        try:
-            self._settle()  # a version installed just now whose head is not out yet
-            async with changed:
-                await asyncio.wait_for(changed.wait_for(lambda: self.version > after), timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            self.waiters -= 1
-        return self._current()[1]
-
-    async def close(self) -> None:
-        if self._settling is not None:
-            self._settling.cancel()
-            await asyncio.gather(self._settling, return_exceptions=True)
+WHOLE_RECHECK_S = 2.0  # how stale the size of "a whole version" (the newest held) may be
+MAX_PACED_CLIENTS = 4096  # clients whose last refusal time is remembered (for pacing repeated refusals)
+CLIENT = web.RequestKey("e2s_client", str)  # a request's client, where its credential named a working peer
+SIGNED_BY = web.RequestKey("e2s_peer", str)  # the peer id whose checked credential a request carries
 
 
 class ChunkService:
-    """What this peer can serve, its budgets, and the pacing of what it uploads. Shared by HTTP and libp2p."""
+    """What this peer can serve, its budgets, and the pacing of what it uploads. Shared by HTTP and libp2p.
+
+    Clients named `peer:<id>` are authenticated (libp2p, or an HTTP request whose credential checked
+    out, policy/peer_auth.py); those in `working` (policy/working.py: seen in `work`, counts of
+    checked work per peer id, or fetching whole versions here) may take the reserves of the
+    `waiting`, `connections` and `streams` budgets. `peer_id` is ours: without it (tests) no HTTP
+    credential is checked.
+    """
 
     def __init__(
         self,
@@ -187,6 +94,8 @@ class ChunkService:
         limiter: RateLimiter | None = None,
         inflight: InFlight | None = None,
         plan: Callable[[int], bytes | None] = lambda version: None,
+        peer_id: str | None = None,
+        work: Sequence[Callable[[], Mapping[str, int]]] = (),
     ):
         self.config = config
         self.chunks = chunks
@@ -196,12 +105,35 @@ class ChunkService:
         self.plan = plan
         self.stats: Counter[str] = Counter()
         c, stats = config, self.stats
-        self.connections = Budget("connections", c.max_connections, c.max_connections_per_client, stats)
-        self.streams = Budget("streams", c.max_connections, c.max_connections_per_client, stats)
+        self.working = WorkingPeers(c.working_ttl_s, stats)
+        for counts in work:  # checked work per peer id (the learner's accepted groups)
+            self.working.watch(counts)
+        self.credentials = CredentialCheck(peer_id, c.auth_window_s, stats) if peer_id else None
+        self.connections = Budget("connections", c.max_connections, c.max_connections_per_client, stats,
+                                  reserve=c.connection_reserve)
+        self.streams = Budget("streams", c.max_connections, c.max_connections_per_client, stats,
+                              reserve=c.connection_reserve)
         self.control = Budget("control", c.control_slots, c.control_slots_per_client, stats)
-        self.waiting = Budget("waiting", c.max_waiting, c.max_waiting_per_client, stats)
+        self.waiting = Budget("waiting", c.max_waiting, c.max_waiting_per_client, stats, reserve=c.held_reserve)
         self.uploads = Budget("uploads", c.upload_slots, c.upload_slots_per_client, stats)
         self.uplink = UplinkMeter()  # what our uploads sustain: goes into the card and the plans
+        self._whole: tuple[float, int | None, int] = (float("-inf"), None, 0)  # (looked at, newest version, bytes)
+
+    def is_working(self, client: str | None) -> bool:
+        """Whether `client` is an authenticated peer seen working (may take the reserves)."""
+        return client is not None and client.startswith("peer:") and client[5:] in self.working
+
+    def whole_version_bytes(self) -> int:
+        """The chunk bytes of the newest version held, its default path (what 'fetched a whole version'
+        means); 0: none held. The store is looked at every WHOLE_RECHECK_S at most."""
+        looked, version, size = self._whole
+        if time.monotonic() - looked >= WHOLE_RECHECK_S:
+            latest = self.versions.latest()
+            if latest != version:
+                manifest = self.versions.manifest(latest) if latest is not None else None
+                size = sum(ref.size for ref in manifest.chunk_refs()) if manifest is not None else 0
+            self._whole = (time.monotonic(), latest, size)
+        return size
 
     def count(self, refusal: Refused) -> None:
         """Count a refusal answered: by reason, and in `refused_busy` (503) or `refused_per_client` (429)."""
@@ -210,15 +142,17 @@ class ChunkService:
 
     @contextlib.contextmanager
     def hold(self, budget: Budget, client: str | None) -> Iterator[None]:
-        """One unit of `budget` for `client` for the block; raises the counted refusal if it is full."""
-        refusal = budget.acquire(client)
+        """One unit of `budget` for `client` for the block (from the reserve too if `client` is working);
+        raises the counted refusal if it is full."""
+        working = self.is_working(client)
+        refusal = budget.acquire(client, working)
         if refusal is not None:
             self.count(refusal)
             raise refusal
         try:
             yield
         finally:
-            budget.release(client)
+            budget.release(client, working)
 
     def manifest(self, version: int) -> bytes | None:
         data = self.versions.manifest_bytes(version)
@@ -266,12 +200,15 @@ class ChunkService:
 
     async def upload(
         self, f: BinaryIO, write: Callable[[bytes], Awaitable[Any]],
-        sendfile: Callable[[BinaryIO, int, int], Awaitable[Any]] | None = None,
+        sendfile: Callable[[BinaryIO, int, int], Awaitable[Any]] | None = None, peer: str | None = None,
+        header: Callable[[], Awaitable[Any]] | None = None,
     ) -> int:
-        """Send an opened chunk at the upload limit (call inside `upload_slot`).
+        """Send an opened chunk at the upload limit (call inside `upload_slot`), after `header` (the
+        response's header), which goes out once the first block has its turn at the limiter.
 
         With `sendfile` (HTTP), the kernel copies file to socket block by block: no bytes pass
-        through Python, which is most of a relay's CPU when it forwards at full rate.
+        through Python, which is most of a relay's CPU when it forwards at full rate. `peer`: the
+        authenticated peer id it goes to (its bytes count towards being seen working).
         """
         sent = 0
         size = os.fstat(f.fileno()).st_size
@@ -280,6 +217,9 @@ class ChunkService:
                 while sent < size:
                     n = min(WRITE_BLOCK, size - sent)
                     await self.limiter.take(n)
+                    if header is not None:
+                        await header()
+                        header = None
                     if sendfile is not None:
                         await sendfile(f, sent, n)
                     else:
@@ -289,17 +229,23 @@ class ChunkService:
                         await write(block)
                     sent += n
                     self.uplink.sent(n)
+            if header is not None:  # an empty chunk
+                await header()
         finally:
             self.stats["bytes_served"] += sent
+            if peer is not None and sent:
+                self.working.fetched(peer, sent, self.whole_version_bytes())
         self.stats["chunks_served"] += 1
         return sent
 
 
 @dataclass
 class _Connection:
-    client: str
-    refusal: Refused | None  # past a connection cap: answered once, then closed
-    dropped: bool = False  # past twice a cap: closed at accept, never answered
+    client: str  # ip:<address>
+    refusal: Refused | None  # past a connection cap: answered once, then closed (unless a working peer's)
+    dropped: bool = False  # past twice a cap: never read or answered
+    unit: str | None = None  # the client its connection unit is held for: `client`, or peer:<id> once promoted
+    working: bool = False  # that unit is a working peer's (it may be from the reserve)
 
 
 class ChunkServer:
@@ -309,11 +255,25 @@ class ChunkServer:
     >>> port = await server.start()        # e.g. 40123
     >>> await server.stop()
 
-    Clients are told apart by IP address (`ip:<address>`). Every open connection is tracked from
-    accept to close (`open_connections` in the stats): within the `connections` budget it serves
-    any number of requests; past a cap it is answered once (chunk requests with the refusal, other
-    requests from the control budget) and closed; past twice a cap it is closed at accept
-    (`dropped_connections`).
+    Clients are told apart by IP address (`ip:<address>`), except a request whose credential
+    (`X-E2S-Peer`, policy/peer_auth.py) proves it comes from a peer seen working (`peer:<id>`): that
+    client's held requests may take the `waiting` reserve. Credentials are checked only where they
+    matter: on held requests and on the first request of a connection past its cap when the peer
+    named is working, and on chunk requests (the bytes count towards a whole version fetched). A
+    forged or replayed one is answered 401.
+
+    Every open connection is tracked from accept to close (`open_connections` in the stats): within
+    the `connections` budget (less its reserve, for anyone not seen working) it serves any number
+    of requests. Past a cap, its first request is answered once (chunk and held requests with the
+    refusal, other requests from the control budget) and it is closed, unless that request carries
+    a working peer's credential and the reserve has room: then the connection is the peer's
+    (`promoted_connections`). Past twice a cap it is dropped (`dropped_connections`): never read,
+    and closed after `retry_after_s` (at once past another `max_connections` of those).
+
+    A client refused again (a held request, a chunk request past a connection cap, a credential)
+    within `retry_after_s` of its last such refusal gets the answer only when that time is up
+    (`paced_refusals`): the wait it was told to keep, kept for it, so ignoring Retry-After does not
+    turn refusals into a busy loop.
     """
 
     def __init__(
@@ -334,7 +294,9 @@ class ChunkServer:
         self.head_watch = HeadWatch(head, ready=lambda version: service.plan(version) is not None)
         self.stats = service.stats
         self._connections: dict[object, _Connection] = {}  # aiohttp's RequestHandler -> its client and standing
-        self._per_client: Counter[str] = Counter()  # open connections by client, budget or not
+        self._per_client: Counter[str] = Counter()  # open connections by client, budget or not (not dropped ones)
+        self._refused_at: OrderedDict[str, float] = OrderedDict()  # client -> its last unpaced refusal (monotonic)
+        self._dropped = 0  # dropped connections not closed yet (held unread, or aborted and not yet reported lost)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -355,31 +317,83 @@ class ChunkServer:
     def _connection_made(self, handler: object, transport: asyncio.Transport) -> None:
         peer = transport.get_extra_info("peername")
         client = f"ip:{peer[0]}" if isinstance(peer, tuple) and peer else "ip:?"
-        self._per_client[client] += 1
         budget = self.service.connections
-        if len(self._connections) >= 2 * budget.total or self._per_client[client] > 2 * budget.per_client:
+        live = len(self._connections) - self._dropped
+        if live >= 2 * budget.total or self._per_client[client] >= 2 * budget.per_client:
+            # Dropped: counted against nobody, never read, closed after retry_after_s (one closed at once is
+            # back at once, in a loop that costs us an accept each time); past max_connections of them, at once.
             self._connections[handler] = _Connection(client, None, dropped=True)
             self.stats["dropped_connections"] += 1
-            transport.abort()  # aiohttp still reports the loss, which forgets it
+            self._dropped += 1
+            if self._dropped <= budget.total:
+                transport.pause_reading()
+                asyncio.get_running_loop().call_later(self.config.retry_after_s, transport.abort)
+            else:
+                transport.abort()  # aiohttp still reports the loss, which forgets it
         else:
-            self._connections[handler] = _Connection(client, budget.acquire(client))
+            self._per_client[client] += 1
+            self._connections[handler] = _Connection(client, budget.acquire(client), unit=client)
         self.stats["open_connections"] = len(self._connections)
 
     def _connection_lost(self, handler: object) -> None:
         conn = self._connections.pop(handler, None)
         if conn is None:
             return
-        self._per_client[conn.client] -= 1
-        if self._per_client[conn.client] <= 0:
-            del self._per_client[conn.client]
-        if conn.refusal is None and not conn.dropped:
-            self.service.connections.release(conn.client)
+        if conn.dropped:
+            self._dropped -= 1
+        else:
+            self._per_client[conn.client] -= 1
+            if self._per_client[conn.client] <= 0:
+                del self._per_client[conn.client]
+            if conn.refusal is None:
+                self.service.connections.release(conn.unit or conn.client, conn.working)
         self.stats["open_connections"] = len(self._connections)
+
+    def _promote(self, conn: _Connection, peer: str) -> None:
+        """A connection past its cap whose first request proved a working peer: take a unit (from the
+        reserve if need be) for that peer; if even that is full, it stays past its cap."""
+        unit = f"peer:{peer}"
+        if self.service.connections.acquire(unit, working=True) is None:
+            conn.refusal, conn.unit, conn.working = None, unit, True
+            self.stats["promoted_connections"] += 1
 
     # -- requests ------------------------------------------------------------------------------
     def _client(self, request: web.Request) -> str:
+        """Who the budgets count this request against: peer:<id> for a working peer's signed request, else its IP."""
+        client = request.get(CLIENT)
+        if client is not None:
+            return client
         conn = self._connections.get(request.protocol)
         return conn.client if conn is not None else "ip:?"
+
+    def _signed_by(self, request: web.Request, any_peer: bool) -> str | None:
+        """The peer id whose credential this request carries, checked (None: none, stale or malformed; or,
+        unless `any_peer`, a peer not seen working, whose credential is then not worth checking).
+        Raises CredentialRefused (forged, replayed)."""
+        check = self.service.credentials
+        header = request.headers.get(HEADER)
+        if check is None or not header:
+            return None
+        if not any_peer and check.claimed(header) not in self.service.working:
+            return None
+        return check.verify(header, request.path)
+
+    def _identify(self, request: web.Request, conn: _Connection | None, chunk: bool) -> None:
+        """Where a credential matters (chunk and held requests, a connection past its cap), check it: a
+        working peer's request then counts against its peer id, and a connection past its cap becomes
+        that peer's if there is room. Raises CredentialRefused."""
+        past_cap = conn is not None and conn.refusal is not None
+        if not (chunk or past_cap):
+            return
+        peer = self._signed_by(request, any_peer=request.match_info.route.name == "chunk")
+        if peer is None:
+            return
+        request[SIGNED_BY] = peer
+        if peer in self.service.working:
+            if past_cap:
+                assert conn is not None
+                self._promote(conn, peer)
+            request[CLIENT] = f"peer:{peer}"
 
     def _refusal(self, refusal: Refused, close: bool) -> web.Response:
         response = web.Response(status=refusal.status, text=refusal.text,
@@ -388,20 +402,43 @@ class ChunkServer:
             response.force_close()
         return response
 
+    async def _paced(self, client: str) -> None:
+        """Return once `client` may be refused again: at once if its last refusal was `retry_after_s` ago or
+        more, else when that time is up (counted in `paced_refusals`)."""
+        now, last = time.monotonic(), self._refused_at.get(client)
+        if last is not None and now - last < self.config.retry_after_s:
+            self.stats["paced_refusals"] += 1
+            await asyncio.sleep(last + self.config.retry_after_s - now)
+            return
+        self._refused_at[client] = now
+        self._refused_at.move_to_end(client)
+        while len(self._refused_at) > MAX_PACED_CLIENTS:
+            self._refused_at.popitem(last=False)
+
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         if request.content_length:
             self.stats["refused_body"] += 1
             raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length)
         conn = self._connections.get(request.protocol)
+        route = request.match_info.route.name
+        # a head long-poll is held like a chunk request, outside the control reserve (HeadWatch)
+        chunk = route == "chunk" or (route == "head" and "wait" in request.query)
+        try:
+            self._identify(request, conn, chunk)
+        except CredentialRefused as e:
+            self.stats[f"refused_auth_{e.reason}"] += 1
+            await self._paced(self._client(request))  # no honest client sends one: a loop would cost us checks
+            response = web.Response(status=401, text=f"credential refused: {e}")
+            if conn is not None and conn.refusal is not None:
+                response.force_close()
+            return response
         client = self._client(request)
         past_cap = conn.refusal if conn is not None else None
-        # a head long-poll is held like a chunk request, outside the control reserve (HeadWatch)
-        chunk = request.match_info.route.name == "chunk" or (request.match_info.route.name == "head"
-                                                             and "wait" in request.query)
         try:
             if chunk and past_cap is not None:
                 self.service.count(past_cap)
+                await self._paced(client)
                 return self._refusal(past_cap, close=True)
             if chunk:
                 return await asyncio.wait_for(handler(request), self.config.request_timeout_s)
@@ -409,6 +446,8 @@ class ChunkServer:
                 return await asyncio.wait_for(self._answer(request, handler, past_cap is not None),
                                               self.config.request_timeout_s)
         except Refused as refusal:
+            if refusal.budget.startswith("waiting"):  # a held request refused (not a full upload slot)
+                await self._paced(client)
             return self._refusal(refusal, close=past_cap is not None)
         except web.HTTPException as e:
             if e.status >= 400:
@@ -495,8 +534,8 @@ class ChunkServer:
                     headers={"Content-Type": "application/octet-stream", "Cache-Control": "immutable"}
                 )
                 response.content_length = size
-                await response.prepare(request)
-                await self.service.upload(f, response.write, sendfile=_sendfile_to(request))
+                await self.service.upload(f, response.write, sendfile=_sendfile_to(request),
+                                          header=lambda: response.prepare(request), peer=request.get(SIGNED_BY))
                 await response.write_eof()
         return response
 

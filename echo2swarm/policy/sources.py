@@ -3,6 +3,7 @@
     HttpSource  a peer's chunk server over HTTP (aiohttp), held to `MinRate` once a body has started
     PeerSource  a peer's HTTP server, falling back to libp2p streams (policy/p2p.py) when unreachable
     rotating    a route over equal sources (chunk i starts at source i mod n)
+    Progress    what a request reports as it runs (its body began, bytes received): hedging reads it
 
 Every failure is a `SourceError` subclass: busy and missing are the source's honest answers;
 unreachable, stalled, slow, truncated and oversized (`SourceFault`) get a source banned
@@ -72,15 +73,32 @@ class SourceOversized(SourceFault):
     reason = "oversized"
 
 
+class Progress:
+    """How far one request has come, as its source reports it: when its body began (the header of an
+    answer with the bytes) and the bytes received so far. `on_begin` is called once, when it begins.
+    The fetcher's hedging (`policy/hedge.py`) reads it; a source given none reports nothing."""
+
+    def __init__(self, on_begin: Callable[[], None] = lambda: None):
+        self.begun_at: float | None = None  # monotonic seconds
+        self.received = 0
+        self._on_begin = on_begin
+
+    def begin(self) -> None:
+        if self.begun_at is None:
+            self.begun_at = time.monotonic()
+            self._on_begin()
+
+
 class ChunkSource(Protocol):
     name: str
     peer_id: str | None
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes: ...
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes: ...
 
     async def plan(self, version: int, max_bytes: int) -> bytes: ...
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes: ...
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes: ...
 
 
 # A chunk's route: sources to try in order, each with how long it may hold the request for a
@@ -126,9 +144,10 @@ class MinRate:
 
 async def read_body(
     readany: Callable[[], Awaitable[bytes]], max_bytes: int, rule: MinRate, what: str,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, progress: Progress | None = None,
 ) -> bytes:
-    """Read a body piece by piece (`readany` returns b"" at its end), at most `max_bytes`, held to `rule`.
+    """Read a body piece by piece (`readany` returns b"" at its end), at most `max_bytes`, held to `rule`;
+    each piece is counted in `progress`.
 
     Raises SourceOversized past `max_bytes` and SourceSlow when the next bytes are not there by
     `rule.deadline`. Errors of the transport itself (a stall, a reset) propagate as they are.
@@ -151,6 +170,8 @@ async def read_body(
         if not piece:
             return bytes(buf)
         buf += piece
+        if progress is not None:
+            progress.received += len(piece)
         if len(buf) > max_bytes:
             raise SourceOversized(f"{what}: response exceeds the {max_bytes} byte limit")
 
@@ -166,7 +187,8 @@ class HttpSource:
         self.name = name or self.url
         self.peer_id = peer_id
 
-    async def _get(self, path: str, max_bytes: int, timeout: float, wait: float = 0.0) -> bytes:
+    async def _get(self, path: str, max_bytes: int, timeout: float, wait: float = 0.0,
+                   progress: Progress | None = None) -> bytes:
         limits = aiohttp.ClientTimeout(
             total=timeout + wait, sock_connect=min(timeout, CONNECT_TIMEOUT_S), sock_read=self.config.stall_timeout_s + wait
         )
@@ -183,7 +205,9 @@ class HttpSource:
                     raise SourceOversized(f"{what}: {resp.content_length} bytes exceeds the {max_bytes} limit")
                 # aiohttp stops at Content-Length, and raises ClientPayloadError if the body ends before it.
                 rule = MinRate(self.config.min_rate_bps, self.config.min_rate_grace_s, time.monotonic())
-                return await read_body(resp.content.readany, max_bytes, rule, what)
+                if progress is not None:
+                    progress.begin()
+                return await read_body(resp.content.readany, max_bytes, rule, what, progress=progress)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             # Refused, unroutable or filtered: this transport cannot reach the peer (libp2p may).
             raise SourceUnreachable(f"{self.name}: {type(e).__name__}: {e}") from None
@@ -196,16 +220,18 @@ class HttpSource:
         except (aiohttp.ClientError, OSError) as e:
             raise SourceError(f"{what}: {type(e).__name__}: {e}") from None
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
-        return await self._get(f"/v1/manifest/{version}", max_bytes, self.config.manifest_timeout_s)
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
+        return await self._get(f"/v1/manifest/{version}", max_bytes, self.config.manifest_timeout_s, progress=progress)
 
     async def plan(self, version: int, max_bytes: int) -> bytes:
         return await self._get(f"/v1/plan/{version}", max_bytes, self.config.manifest_timeout_s)
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
         query = f"?wait={wait:g}&v={version}" if wait > 0 and version is not None else ""
         data = await self._get(
-            f"/v1/chunk/{ref.sha256}{query}", min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait
+            f"/v1/chunk/{ref.sha256}{query}", min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait,
+            progress,
         )
         if len(data) != ref.size:  # never more: read_body stops at min(ref.size, max_chunk_bytes)
             raise SourceTruncated(f"{self.name}: chunk {ref.sha256[:12]} is {len(data)} bytes, expected {ref.size}")
@@ -251,11 +277,13 @@ class PeerSource:
             return None
         return wait + CONNECT_TIMEOUT_S + self.config.min_rate_grace_s + size / self.config.min_rate_bps
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
-        return await self._call("manifest", version, max_bytes)
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
+        return await self._call("manifest", version, max_bytes, progress=progress)
 
     async def plan(self, version: int, max_bytes: int) -> bytes:
         return await self._call("plan", version, max_bytes)
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
-        return await self._call("chunk", ref, wait=wait, version=version, p2p_limit_s=self._p2p_limit_s(ref.size, wait))
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
+        return await self._call("chunk", ref, wait=wait, version=version, progress=progress,
+                                p2p_limit_s=self._p2p_limit_s(ref.size, wait))

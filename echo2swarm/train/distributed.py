@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.group import Group
 from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
-from echo2swarm.train.trainer import GRPOTrainer, unique_state_dict
+from echo2swarm.train.trainer import GRPOTrainer, train_without_dropout, unique_state_dict
 from echo2swarm.train.verify import WeightsOf, check_finite
 from echo2swarm.runtime.logging import get_logger
 
@@ -193,7 +193,7 @@ class ShardedTrainer(GRPOTrainer):
     def _load_policy(self) -> torch.nn.Module:
         model = self._from_model_dir()
         params = sum(p.numel() for p in model.parameters())  # DTensors: their global sizes
-        model.train()
+        train_without_dropout(model)
         logger.info("trainer: %s sharded over %d ranks on %s (%d params, %s compute, fp32 master weights)",
                     self.model_dir, self.world, self.device, params, "bf16" if self.bf16 else "fp32")
         return model

@@ -1,4 +1,4 @@
-"""GRPO maths: group advantages, per-token logprobs, and the clipped (decoupled) policy loss.
+"""GRPO maths: group advantages, per-token logprobs, and the loss docs/architecture.md §7 defines.
 
 Pure torch, no I/O. The learner daemon turns buffered groups into padded tensors and calls::
 
@@ -19,12 +19,16 @@ logprobs of that sequence's tokens up. Every per-token tensor is ``[B, L]`` and 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-__all__ = ["CompletionLogits", "LossOptions", "completion_logits", "group_advantages", "grpo_loss", "token_logprobs"]
+from echo2swarm.config.rl import IsLevel, IsMode, KlEstimator, LossType, TrainConfig
+
+__all__ = ["CompletionLogits", "ImportanceWeights", "LossOptions", "completion_logits", "group_advantages", "grpo_loss",
+           "importance_weights", "token_logprobs"]
 
 
 def group_advantages(rewards: torch.Tensor, *, scale_std: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -159,40 +163,35 @@ def token_logprobs(
     ).token_logprobs()
 
 
-LossType = Literal["bnpo", "grpo", "dr_grpo", "dapo"]
-IsMode = Literal["truncate", "mask"]
-IsLevel = Literal["token", "sequence", "sequence_product"]
-KlEstimator = Literal["k3_is", "k3"]
+def _config_default(name: str) -> object:
+    return TrainConfig.model_fields[name].default
 
 
 @dataclass(frozen=True)
 class LossOptions:
-    """How :func:`grpo_loss` turns per-token terms into one loss (docs: ``TrainConfig``).
+    """The knobs of :func:`grpo_loss`, each the `[train]` field of its name; docs/architecture.md §7
+    says what each computes. Defaults are the config's.
 
-    - ``loss_type`` (TRL's names): ``bnpo`` token mean over the minibatch; ``grpo`` mean over
-      sequences of each sequence's token mean; ``dr_grpo`` token sum over ``sequences ×
-      max_completion_length`` (Dr. GRPO's constant normaliser, no length bias); ``dapo`` token sum
-      over ``global_tokens``, the completion tokens of the whole step (every minibatch of it).
-    - ``is_mode``: above ``is_cap`` the importance weight is ``truncate``-d to the cap, or the token
-      (``is_level="sequence"``: the sequence) is ``mask``-ed out of the objective (AReaL-style).
-    - ``is_level``: ``token`` weights, or one ``sequence`` weight: the geometric mean of its tokens'
-      weights (length-normalised, so long sequences are not crushed or exploded), or
-      ``sequence_product``: the product of its tokens' weights, π(y)/μ(y) of the whole completion,
-      the classical truncated importance weight: it also corrects for the behaviour policy's prefixes
-      (a token weight only corrects the last token's choice, given a prefix μ chose), so the update
-      is unbiased below the cap; its variance grows with length, so use it for short completions.
-    - ``kl_estimator``: ``k3_is`` is ``(π/μ) k3`` with the gradient flowing through ``π/μ``: an
-      unbiased estimate of KL(π‖ref), value and gradient, on tokens sampled from the behaviour policy
-      μ; ``k3`` is the plain k3 on those tokens, whose gradient is that of KL(ref‖π) (kept to
-      reproduce older runs).
+    >>> options = LossOptions.from_config(config, global_tokens=step_tokens / minibatches)
     """
 
-    loss_type: LossType = "bnpo"
-    is_mode: IsMode = "truncate"
-    is_level: IsLevel = "token"
-    kl_estimator: KlEstimator = "k3_is"
-    max_completion_length: int | None = None  # dr_grpo's constant
-    global_tokens: float | None = None  # dapo's normaliser
+    loss_type: LossType = _config_default("loss_type")
+    is_mode: IsMode = _config_default("is_mode")
+    is_level: IsLevel = _config_default("is_level")
+    is_cap: float | None = _config_default("is_cap")  # None: no cap (tests)
+    clip_low: float = _config_default("clip_low")
+    clip_high: float = _config_default("clip_high")
+    kl_coef: float = _config_default("kl_coef")
+    kl_estimator: KlEstimator = _config_default("kl_estimator")
+    max_completion_length: int | None = None  # dr_grpo's constant: train.max_new_tokens
+    global_tokens: float | None = None  # dapo's normaliser: the step's completion tokens / its minibatches
+
+    @classmethod
+    def from_config(cls, config: TrainConfig, *, global_tokens: float | None = None) -> LossOptions:
+        return cls(loss_type=config.loss_type, is_mode=config.is_mode, is_level=config.is_level,
+                   is_cap=config.is_cap, clip_low=config.clip_low, clip_high=config.clip_high,
+                   kl_coef=config.kl_coef, kl_estimator=config.kl_estimator,
+                   max_completion_length=config.max_new_tokens, global_tokens=global_tokens)
 
     def __post_init__(self) -> None:
         for name, allowed in (("loss_type", LossType), ("is_mode", IsMode), ("is_level", IsLevel),
@@ -203,15 +202,128 @@ class LossOptions:
             raise ValueError("loss_type 'dr_grpo' needs max_completion_length > 0 (train.max_new_tokens)")
         if self.loss_type == "dapo" and not (self.global_tokens and self.global_tokens > 0):
             raise ValueError("loss_type 'dapo' needs global_tokens > 0 (the step's completion tokens)")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError(f"clip_low and clip_high must be >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.is_cap is not None and self.is_cap <= 0:
+            raise ValueError(f"is_cap must be > 0 or None, got {self.is_cap}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return torch.where(mask, values, torch.zeros_like(values)).sum() / count
+def grpo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    proximal_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    options: LossOptions | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The GRPO objective of docs/architecture.md §7, a loss to minimise, and its stats.
+
+    ``logprobs`` ``[B, T]``: the current policy π, with grad. ``behaviour_logprobs``: the policy μ that
+    sampled the tokens (the rollout peer's). ``advantages``: ``[B]`` (one per sequence) or ``[B, T]``.
+    ``mask``: 1 on completion tokens; masked positions never matter, whatever they hold (inf and NaN
+    included). ``proximal_logprobs``: the policy at the step's start (decoupled PPO: clip against it,
+    weight by it over μ); None: clip against μ, no weights. ``ref_logprobs``: the reference policy's,
+    for the KL term (reported as ``kl``; in the loss when ``options.kl_coef > 0``).
+
+    Stats: ``loss``; ``clip_frac`` (tokens whose clipped branch is the smaller objective);
+    ``ratio_mean``; ``kl`` (0.0 without a reference); ``is_weight_mean`` (of the weights applied, over
+    the tokens they apply to; 1.0 without proximal logprobs); ``is_truncated_frac`` /
+    ``is_masked_frac`` (tokens whose weight was cut / zeroed at the cap); ``is_ess`` (effective sample
+    size of the uncapped weights, ``(Σw)² / (n Σw²)``, 1.0 when all are equal);
+    ``offpolicy_gap_mean`` / ``offpolicy_gap_max`` (of ``|proximal - behaviour|`` per token).
+    """
+    options = options or LossOptions()
+    keep, advantages = _checked(logprobs, behaviour_logprobs, advantages, mask, proximal_logprobs, ref_logprobs,
+                                options)
+    behaviour = behaviour_logprobs.detach()
+    base = (behaviour if proximal_logprobs is None else proximal_logprobs).detach()
+    weights = None if proximal_logprobs is None else importance_weights(base - behaviour, keep, options)
+    token_loss, ratio, clipped = _clipped(logprobs, base, advantages, keep, options)
+    if weights is not None:
+        token_loss = token_loss * weights.applied
+    loss = _aggregate(token_loss, keep, options)
+    kl = torch.zeros((), dtype=logprobs.dtype)
+    if ref_logprobs is not None:
+        kl = _kl_term(logprobs, behaviour, ref_logprobs.detach(), keep, options)
+        if options.kl_coef > 0:
+            loss = loss + options.kl_coef * kl
+    stats = {"loss": float(loss.detach()), "kl": float(kl.detach()),
+             **_step_stats(ratio, clipped, base - behaviour, keep), **_weight_stats(weights, keep, options)}
+    return loss, stats
 
 
-def _aggregate(token_loss: torch.Tensor, keep: torch.Tensor, options: LossOptions) -> torch.Tensor:
-    """One scalar from ``[B, T]`` per-token losses over the ``keep`` positions, by ``options.loss_type``."""
-    masked = torch.where(keep, token_loss, torch.zeros_like(token_loss))
+def _checked(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+             proximal: torch.Tensor | None, ref: torch.Tensor | None, options: LossOptions
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes checked; returns the bool mask and ``[B, 1]`` or ``[B, T]`` detached advantages."""
+    shape = logprobs.shape
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be [B, T], got {tuple(shape)}")
+    for name, tensor in (("behaviour_logprobs", behaviour), ("mask", mask), ("proximal_logprobs", proximal),
+                         ("ref_logprobs", ref)):
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} like logprobs")
+    if advantages.ndim == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages has {advantages.shape[0]} entries for a batch of {shape[0]}")
+        advantages = advantages.unsqueeze(-1)
+    elif advantages.shape != shape:
+        raise ValueError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
+    if options.kl_coef > 0 and ref is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    return mask.bool(), advantages.detach().to(logprobs.dtype)
+
+
+@dataclass
+class ImportanceWeights:
+    """Step 1: each token's weight of the proximal over the behaviour policy (``[B, T]``, no gradient).
+
+    ``log_raw``: the uncapped log weight at ``options.is_level``; ``over``: kept tokens above the cap;
+    ``applied``: what multiplies the token losses (capped or zeroed above the cap, 0 where masked)."""
+
+    log_raw: torch.Tensor
+    over: torch.Tensor
+    applied: torch.Tensor
+
+
+def importance_weights(gap: torch.Tensor, keep: torch.Tensor, options: LossOptions) -> ImportanceWeights:
+    """``gap`` = log(proximal / behaviour) per token -> the weights of docs/architecture.md §7."""
+    gap = torch.where(keep, gap, torch.zeros_like(gap))
+    if options.is_level == "token":
+        log_raw = gap
+    elif options.is_level == "sequence":
+        log_raw = (gap.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)).expand_as(gap)
+    else:  # sequence_product
+        log_raw = gap.sum(dim=1, keepdim=True).expand_as(gap)
+    zeros = torch.zeros_like(gap)
+    if options.is_cap is None:
+        over = torch.zeros_like(keep)
+        return ImportanceWeights(log_raw, over, torch.where(keep, torch.exp(log_raw), zeros))
+    log_cap = math.log(options.is_cap)
+    over = keep & (log_raw > log_cap)
+    capped = torch.exp(log_raw.clamp(max=log_cap))  # never inf, so never inf x 0 in the backward
+    cut = torch.full_like(gap, options.is_cap) if options.is_mode == "truncate" else zeros
+    return ImportanceWeights(log_raw, over, torch.where(over, cut, torch.where(keep, capped, zeros)))
+
+
+def _clipped(logprobs: torch.Tensor, base: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor,
+             options: LossOptions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 2: the PPO token loss ``-min(r A, clip(r) A)`` with ``r = exp(logprobs - base)``; also
+    returns ``r`` and where the clipped branch is the smaller objective."""
+    # Zero the log-ratio on masked positions *before* exp: padding garbage gives neither inf nor NaN.
+    ratio = torch.exp(torch.where(keep, logprobs - base, torch.zeros_like(logprobs)))
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - options.clip_low, 1.0 + options.clip_high) * advantages
+    return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).detach()
+
+
+def _aggregate(values: torch.Tensor, keep: torch.Tensor, options: LossOptions) -> torch.Tensor:
+    """Step 3: one scalar from ``[B, T]`` per-token values over the ``keep`` positions, by ``loss_type``."""
+    masked = torch.where(keep, values, torch.zeros_like(values))
     per_row = keep.sum(dim=1)
     if options.loss_type == "bnpo":
         return masked.sum() / per_row.sum().clamp(min=1)
@@ -225,156 +337,48 @@ def _aggregate(token_loss: torch.Tensor, keep: torch.Tensor, options: LossOption
     return masked.sum() / options.global_tokens  # dapo
 
 
-def log_importance_weights(gap: torch.Tensor, keep: torch.Tensor, level: IsLevel) -> torch.Tensor:
-    """``[B, T]`` per-token log(proximal / behaviour) -> the log importance weight of each token at
-    ``level`` (see :class:`LossOptions`): the token's own, its sequence's mean, or its sequence's sum."""
-    if level == "token":
-        return gap
-    if level == "sequence":
-        return _sequence_mean(gap, keep).expand_as(gap)
-    return torch.where(keep, gap, torch.zeros_like(gap)).sum(dim=1, keepdim=True).expand_as(gap)
-
-
-def _sequence_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` -> ``[B, 1]``: the mean over each row's kept positions (0 for an empty row)."""
-    count = keep.sum(dim=1, keepdim=True).clamp(min=1)
-    return torch.where(keep, values, torch.zeros_like(values)).sum(dim=1, keepdim=True) / count
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    proximal_logprobs: torch.Tensor | None = None,
-    is_cap: float | None = 2.0,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    options: LossOptions | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped GRPO policy loss (to minimise) and float stats.
-
-    - ``logprobs`` ``[B, T]``: current policy, with grad. ``behaviour_logprobs`` ``[B, T]``: the
-      rollout peer's, from the version that generated the tokens (the distribution it sampled
-      from). ``advantages`` ``[B]`` (one per sequence, broadcast over tokens) or ``[B, T]``.
-      ``mask`` ``[B, T]``: 1 on completion tokens.
-    - Without ``proximal_logprobs``: PPO-clip against the behaviour policy,
-      ``r = exp(lp - behaviour)``, token loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``.
-    - With ``proximal_logprobs`` (decoupled PPO for stale rollouts; the learner's policy before
-      this step's first update): ``r = exp(lp - proximal)`` clipped as above, each token weighted by
-      the behaviour importance weight ``w = exp(proximal - behaviour)`` (per token, or per sequence:
-      see :class:`LossOptions`), truncated at ``is_cap`` or masked above it (``is_cap=None``: neither).
-      No gradient flows through ``w`` or ``proximal``.
-    - With ``ref_logprobs``: a KL(π‖ref) estimate (``options.kl_estimator``) is reported as ``kl``
-      and, when ``kl_coef > 0``, added as ``kl_coef * kl``.
-    - Aggregation over tokens: ``options.loss_type`` (default: token mean).
-
-    Masked positions never matter, whatever they hold (inf and NaN included). Stats: ``loss``,
-    ``clip_frac`` (kept tokens where the clipped branch is the active, strictly smaller objective),
-    ``ratio_mean`` (of ``r``), ``kl`` (0.0 without a reference), ``is_weight_mean`` (of the weights
-    applied; 1.0 without proximal logprobs), and the off-policy gap between the proximal and the
-    behaviour policy: ``offpolicy_gap_mean`` / ``offpolicy_gap_max`` (mean and max of
-    ``|proximal - behaviour|`` per token), ``is_truncated_frac`` / ``is_masked_frac`` (tokens whose
-    weight was cut or that left the objective), ``is_ess`` (effective sample size of the raw weights
-    over the tokens, ``(Σw)² / (n Σw²)``, 1.0 when every weight is equal).
-    """
-    options = options or LossOptions()
-    shape = logprobs.shape
-    if logprobs.ndim != 2:
-        raise ValueError(f"logprobs must be [B, T], got {tuple(shape)}")
-    for name, tensor in (
-        ("behaviour_logprobs", behaviour_logprobs),
-        ("mask", mask),
-        ("proximal_logprobs", proximal_logprobs),
-        ("ref_logprobs", ref_logprobs),
-    ):
-        if tensor is not None and tensor.shape != shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} like logprobs")
-    if advantages.ndim == 1:
-        if advantages.shape[0] != shape[0]:
-            raise ValueError(f"advantages has {advantages.shape[0]} entries for a batch of {shape[0]}")
-        advantages = advantages.unsqueeze(-1)
-    elif advantages.shape != shape:
-        raise ValueError(f"advantages must be [B] or [B, T], got {tuple(advantages.shape)}")
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low}, {clip_high}")
-    if is_cap is not None and is_cap <= 0:
-        raise ValueError(f"is_cap must be > 0 or None, got {is_cap}")
-    if kl_coef < 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
-
-    keep = mask.bool()
+def _kl_term(logprobs: torch.Tensor, behaviour: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor,
+             options: LossOptions) -> torch.Tensor:
+    """The KL(π‖ref) estimate of docs/architecture.md §7, aggregated like the objective."""
     zeros = torch.zeros_like(logprobs)
-    advantages = advantages.detach().to(logprobs.dtype)
-    behaviour = behaviour_logprobs.detach()
+    delta = torch.where(keep, ref - logprobs, zeros)  # log(ref / π)
+    k3 = torch.exp(delta) - delta - 1.0
+    if options.kl_estimator == "k3":
+        return _aggregate(k3, keep, options)
+    # k3_is: each token's k3 times its prefix's weight π(y≤t)/μ(y≤t), capped in value, with the
+    # gradient of log π(y≤t): every token answers for the KL of the tokens after it.
+    log_w = torch.where(keep, logprobs - behaviour, zeros).cumsum(dim=1)
+    capped = log_w.detach() if options.is_cap is None else log_w.detach().clamp(max=math.log(options.is_cap))
+    weight = torch.where(keep, torch.exp(capped), zeros) * torch.exp(log_w - log_w.detach())
+    return _aggregate(weight * k3, keep, options)
 
-    # Zero the log-ratio on masked positions *before* exp, so padding garbage can produce
-    # neither inf nor NaN, forward or backward.
-    base = (behaviour if proximal_logprobs is None else proximal_logprobs).detach()
-    ratio = torch.exp(torch.where(keep, logprobs - base, zeros))
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    token_loss = -torch.minimum(unclipped, clipped)
 
-    gap = torch.where(keep, base - behaviour, zeros)  # log(proximal / behaviour); 0 without proximal
-    stats_w = {"is_weight_mean": 1.0, "is_truncated_frac": 0.0, "is_masked_frac": 0.0, "is_ess": 1.0}
-    objective = keep  # the positions the loss is taken over
-    if proximal_logprobs is not None:
-        log_w = log_importance_weights(gap, keep, options.is_level)
-        raw = torch.exp(log_w)
-        weight = raw
-        over = keep & (raw > is_cap) if is_cap is not None else torch.zeros_like(keep)
-        if is_cap is not None and options.is_mode == "truncate":
-            weight = raw.clamp(max=is_cap)
-        elif is_cap is not None:
-            objective = keep & ~over
-        token_loss = token_loss * weight
-        n = keep.sum().clamp(min=1).to(logprobs.dtype)
-        kept_raw = torch.where(keep, raw, zeros)
-        stats_w = {
-            "is_weight_mean": float(_masked_mean(weight, objective, objective.sum().clamp(min=1))),
-            "is_truncated_frac": float(over.sum() / n) if options.is_mode == "truncate" else 0.0,
-            "is_masked_frac": float(over.sum() / n) if options.is_mode == "mask" else 0.0,
-            "is_ess": float(kept_raw.sum() ** 2 / (n * (kept_raw ** 2).sum()).clamp(min=1e-30)),
+def _step_stats(ratio: torch.Tensor, clipped: torch.Tensor, gap: torch.Tensor, keep: torch.Tensor) -> dict[str, float]:
+    with torch.no_grad():
+        count = keep.sum().clamp(min=1).to(ratio.dtype)
+        abs_gap = torch.where(keep, gap.abs(), torch.zeros_like(gap))
+        return {
+            "clip_frac": float((clipped & keep).sum() / count),
+            "ratio_mean": float(torch.where(keep, ratio.detach(), torch.zeros_like(ratio)).sum() / count),
+            "offpolicy_gap_mean": float(abs_gap.sum() / count),
+            "offpolicy_gap_max": float(abs_gap.max()) if keep.any() else 0.0,
         }
 
-    loss = _aggregate(token_loss, objective, options)
 
-    kl_value = 0.0
-    if ref_logprobs is not None:
-        delta = torch.where(keep, ref_logprobs.detach() - logprobs, zeros)  # log(ref / π)
-        k3 = torch.exp(delta) - delta - 1.0
-        if options.kl_estimator == "k3_is":
-            # (π/μ) k3, the weight's value truncated like the objective's but its gradient kept:
-            # d/dθ [(π/μ) k3] = (π/μ)(log π - log ref) d log π, whose expectation under μ is ∇KL(π‖ref).
-            log_iw = torch.where(keep, logprobs.detach() - behaviour, zeros)
-            iw_value = torch.exp(log_iw) if is_cap is None else torch.exp(log_iw).clamp(max=is_cap)
-            iw = iw_value * torch.exp(torch.where(keep, logprobs - logprobs.detach(), zeros))
-            k3 = iw * k3
-        kl = _aggregate(k3, keep, options)
-        kl_value = float(kl.detach())
-        if kl_coef > 0:
-            loss = loss + kl_coef * kl
-
+def _weight_stats(weights: ImportanceWeights | None, keep: torch.Tensor, options: LossOptions) -> dict[str, float]:
+    if weights is None:
+        return {"is_weight_mean": 1.0, "is_truncated_frac": 0.0, "is_masked_frac": 0.0, "is_ess": 1.0}
     with torch.no_grad():
-        count = keep.sum().clamp(min=1).to(logprobs.dtype)
-        clip_frac = float(_masked_mean((clipped < unclipped).to(logprobs.dtype), keep, count))
-        ratio_mean = float(_masked_mean(ratio, keep, count))
-        abs_gap = gap.abs()
-        gap_mean = float(_masked_mean(abs_gap, keep, count))
-        gap_max = float(torch.where(keep, abs_gap, zeros).max()) if keep.any() else 0.0
-    stats = {
-        "loss": float(loss.detach()),
-        "clip_frac": clip_frac,
-        "ratio_mean": ratio_mean,
-        "kl": kl_value,
-        **stats_w,
-        "offpolicy_gap_mean": gap_mean,
-        "offpolicy_gap_max": gap_max,
-    }
-    return loss, stats
+        n = keep.sum().clamp(min=1)
+        applies = keep & ~weights.over if options.is_mode == "mask" else keep
+        over = float(weights.over.sum() / n)
+        # (Σw)² / (n Σw²) from the log weights: finite even where a weight overflows.
+        log_w = torch.where(keep, weights.log_raw, torch.full_like(weights.log_raw, -math.inf))
+        log_ess = (2 * torch.logsumexp(log_w.flatten(), 0) - torch.logsumexp(2 * log_w.flatten(), 0)
+                   - n.to(log_w.dtype).log())
+        return {
+            "is_weight_mean": float(weights.applied.sum() / applies.sum().clamp(min=1)),
+            "is_truncated_frac": over if options.is_mode == "truncate" else 0.0,
+            "is_masked_frac": over if options.is_mode == "mask" else 0.0,
+            "is_ess": float(log_ess.exp()) if keep.any() else 1.0,
+        }

@@ -47,7 +47,10 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["GRPOTrainer", "NonFiniteWeightsError", "unique_state_dict"]
+__all__ = ["GRPOTrainer", "NonFiniteWeightsError", "train_without_dropout", "unique_state_dict"]
+
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+             torch.nn.FeatureAlphaDropout)
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -61,6 +64,24 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         seen.add(ptr)
         out[name] = tensor.detach().contiguous()
     return out
+
+
+def train_without_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in training mode with every dropout probability set to 0.
+
+    The policy's logprobs are what the step scores, verifies and clips against, and what rollout
+    peers sample with (in eval mode): a forward with dropout would make the proximal logprobs noise,
+    the first update's ratio differ from 1, and honest groups fail verification. Training mode
+    stays on because activation checkpointing acts only there. Dropout modules get ``p = 0``, and
+    float attributes named ``*dropout*`` (Hugging Face attention keeps its probability there) 0.0.
+    """
+    for module in model.modules():
+        if isinstance(module, _DROPOUTS):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model.train()
 
 
 class GRPOTrainer(UpdatePath):
@@ -110,8 +131,7 @@ class GRPOTrainer(UpdatePath):
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         if self.config.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = model.to(self.device)
-        model.train()
+        model = train_without_dropout(model.to(self.device))
         logger.info("trainer: %s on %s (%d params, fp32)", self.model_dir, self.device,
                     sum(p.numel() for p in model.parameters()))
         return model
@@ -169,8 +189,9 @@ class GRPOTrainer(UpdatePath):
         """One GRPO step on ``groups`` (trained at policy version ``current_version``).
 
         Returns float stats of the objective averaged over the step's optimizer updates (``loss``,
-        ``clip_frac``, ``ratio_mean``, ``kl``, ``is_weight_mean``, ``is_truncated_frac``,
-        ``is_masked_frac``, ``is_ess``, ``offpolicy_gap_mean``; ``offpolicy_gap_max`` is the max),
+        ``ratio_mean``, ``kl``, ``is_weight_mean``, ``is_truncated_frac``, ``is_masked_frac``,
+        ``is_ess``, ``offpolicy_gap_mean``; ``offpolicy_gap_max`` is the max; ``clip_frac`` is the mean
+        over the updates after the first, which never clips: see `merge_updates`),
         ``grad_norm`` (mean), ``updates``, rewards and sizes of what trained, ``t_train_s``, and:
         ``refused_groups`` [(peer_id, prompt_id, reason)], ``verify_checked``, ``verify_exact``,
         ``verify_unavailable``, ``verify_refused`` {reason: n}, ``t_verify_s``, ``offpolicy_dropped``,

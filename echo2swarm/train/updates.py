@@ -23,7 +23,7 @@ import torch
 from echo2swarm.config.rl import TrainConfig
 from echo2swarm.train.batches import Batch
 from echo2swarm.train.group import Group
-from echo2swarm.train.grpo import LossOptions, grpo_loss, log_importance_weights, token_logprobs
+from echo2swarm.train.grpo import LossOptions, grpo_loss, token_logprobs
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -65,28 +65,22 @@ class UpdatePath:
                             group.peer_id[-8:], mean_gap, limit, group.version)
         return dropped
 
-    def _loss_options(self, batch_tokens: float) -> LossOptions:
-        config = self.config
-        return LossOptions(
-            loss_type=config.loss_type, is_mode=config.is_mode, is_level=config.is_level,
-            kl_estimator=config.kl_estimator, max_completion_length=config.max_new_tokens,
-            global_tokens=max(batch_tokens, 1.0) / max(1, config.minibatches),
-        )
+    def _loss_options(self, step_tokens: float, minibatches: int) -> LossOptions:
+        """The config's loss options; 'dapo' normalises by the step's tokens over the ``minibatches``
+        each pass of the step makes (not the configured number: a step with fewer groups makes fewer)."""
+        return LossOptions.from_config(self.config, global_tokens=max(step_tokens, 1.0) / minibatches)
 
     def _objective(self, logprobs: torch.Tensor, proximal: torch.Tensor | None, batch: Batch,
                    step_tokens: float, current_version: int) -> dict[str, float]:
-        """Loss of one (mini)batch and the optimizer update it makes; returns its stats."""
+        """Loss of the step's one update (the whole batch) and the optimizer update it makes; returns its stats."""
         ref = None
         if self.reference is not None:
             with torch.no_grad():
                 ref = token_logprobs(self.reference, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                      temperature=self.config.temperature)
-        loss, stats = grpo_loss(
-            logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
-            clip_low=self.config.clip_low, clip_high=self.config.clip_high,
-            proximal_logprobs=proximal, is_cap=self.config.is_cap, ref_logprobs=ref, kl_coef=self.config.kl_coef,
-            options=self._loss_options(step_tokens),
-        )
+        loss, stats = grpo_loss(logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
+                                proximal_logprobs=proximal, ref_logprobs=ref,
+                                options=self._loss_options(step_tokens, minibatches=1))
         return {**stats, **self._update(loss, current_version)}
 
     def _minibatch_updates(self, batch: Batch, proximal: torch.Tensor, rows: list[range],
@@ -105,7 +99,8 @@ class UpdatePath:
                                      device=self.device)
                 sub, first = batch.select(index)
                 sub_proximal = proximal.index_select(0, index)[:, first:] if decoupled else None
-                out.append(self._accumulated_update(sub, sub_proximal, step_tokens, current_version))
+                out.append(self._accumulated_update(sub, sub_proximal, self._loss_options(step_tokens, parts),
+                                                    current_version))
         return out
 
     def _micro_parts(self, rows: int) -> list[torch.Tensor | None]:
@@ -117,30 +112,22 @@ class UpdatePath:
         split = torch.tensor_split(torch.arange(rows), parts)
         return [p if p.numel() else None for p in split[self.rank::self.world]]
 
-    def _objective_rows(self, batch: Batch, proximal: torch.Tensor | None, options: LossOptions) -> torch.Tensor:
-        """Each row's share of the minibatch loss's normaliser (grpo.py's `_aggregate`): its objective
-        tokens ('bnpo'), or 1 if it has any ('grpo', 'dr_grpo'); 'dapo' normalises by a constant.
-        The objective is the completion mask less the tokens `is_mode = "mask"` takes out."""
-        keep = batch.completion_mask.bool()
-        objective = keep
-        cap = self.config.is_cap
-        if proximal is not None and options.is_mode == "mask" and cap is not None:
-            gap = torch.where(keep, proximal - batch.behaviour, torch.zeros_like(proximal))
-            gap = log_importance_weights(gap, keep, options.is_level)
-            objective = keep & ~(keep & (torch.exp(gap) > cap))
-        tokens = objective.sum(dim=1).to(torch.float64)
+    @staticmethod
+    def _normaliser_rows(batch: Batch, options: LossOptions) -> torch.Tensor:
+        """Each row's share of the minibatch loss's normaliser (grpo.py's `_aggregate`): its completion
+        tokens ('bnpo'), or 1 if it has any ('grpo', 'dr_grpo'); 'dapo' normalises by a constant."""
+        tokens = batch.completion_mask.bool().sum(dim=1).to(torch.float64)
         return tokens if options.loss_type == "bnpo" else (tokens > 0).to(torch.float64)
 
-    def _accumulated_update(self, batch: Batch, proximal: torch.Tensor | None, step_tokens: float,
+    def _accumulated_update(self, batch: Batch, proximal: torch.Tensor | None, options: LossOptions,
                             current_version: int) -> dict[str, float]:
         """One optimizer update on a minibatch, its gradient accumulated over micro-batches (this
         rank's share of them). Each micro-batch's loss is weighted by its share of the minibatch's
-        normaliser, so the sum is the minibatch's loss: the same gradient as one forward of it
-        (exactly so unless `is_mode = "mask"` masks tokens while `kl_coef > 0`, whose KL term is
-        normalised over all tokens). Stats are token-weighted means over the micro-batches."""
+        normaliser, so the sum is the minibatch's loss: the same gradient as one forward of it, for
+        every loss option (tests/unit/train/test_trainer_loss.py). Stats are token-weighted means over
+        the micro-batches."""
         config = self.config
-        options = self._loss_options(step_tokens)
-        norm = self._objective_rows(batch, proximal, options)
+        norm = self._normaliser_rows(batch, options)
         total = float(norm.sum())
         tokens = batch.completion_mask.sum(dim=1).to(torch.float64)
         all_tokens = max(float(tokens.sum()), 1.0)
@@ -158,11 +145,8 @@ class UpdatePath:
                 with torch.no_grad():
                     ref = token_logprobs(self.reference, sub.input_ids, sub.attention_mask, sub.completion_mask,
                                          temperature=config.temperature)
-            loss, stats = grpo_loss(
-                lp, sub.behaviour, sub.advantages, sub.completion_mask,
-                clip_low=config.clip_low, clip_high=config.clip_high, proximal_logprobs=sub_proximal,
-                is_cap=config.is_cap, ref_logprobs=ref, kl_coef=config.kl_coef, options=options,
-            )
+            loss, stats = grpo_loss(lp, sub.behaviour, sub.advantages, sub.completion_mask,
+                                    proximal_logprobs=sub_proximal, ref_logprobs=ref, options=options)
             if rows is None:
                 weight = share = 0.0
             else:
@@ -230,11 +214,16 @@ class UpdatePath:
 
 
 def merge_updates(updates: list[dict[str, float]]) -> dict[str, Any]:
-    """One step's stats from its updates' stats: means, except the max gap and the count of skips."""
+    """One step's stats from its updates' stats: means, except the max gap, the count of skips, and
+    ``clip_frac``, the mean over the updates after the first: the first starts at the proximal policy
+    (ratio 1), so it never clips, and a mean with it would halve the share at the default 2 x 1."""
     out: dict[str, Any] = {}
     for key in updates[0]:
         values = [u[key] for u in updates]
-        if key == "offpolicy_gap_max":
+        if key == "clip_frac":
+            later = values[1:] or values
+            out[key] = sum(later) / len(later)
+        elif key == "offpolicy_gap_max":
             out[key] = max(values)
         elif key == "skipped_nonfinite":
             out[key] = int(sum(values))

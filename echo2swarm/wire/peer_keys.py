@@ -263,10 +263,20 @@ class PeerKey:
             blob = Path(path).read_bytes()
         except OSError as e:
             raise PeerKeyError(f"cannot read the identity file {path}: {e}") from None
+        if blob.lstrip().startswith(b"-----BEGIN"):
+            raise PeerKeyError(
+                f"identity file {path} is a PEM file (a policy key from `echo2swarm keygen`?), not a libp2p "
+                "private key: give --identity a path of its own, and the daemon creates an Ed25519 key there"
+            )
         try:
             return cls.from_proto(blob)
         except PeerKeyError as e:
             raise PeerKeyError(f"identity file {path} is not a libp2p private key: {e}") from None
+
+    @property
+    def kind(self) -> str:
+        """`Ed25519`, or `RSA-<bits>`: what `echo2swarm doctor` says of an identity file."""
+        return "Ed25519" if isinstance(self._private, Ed25519PrivateKey) else f"RSA-{self._private.key_size}"
 
     def to_proto(self) -> bytes:
         if isinstance(self._private, Ed25519PrivateKey):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from echo2swarm.policy.manifest import ChunkRef
-from echo2swarm.policy.sources import SourceError
+from echo2swarm.policy.sources import Progress, SourceError
 
 
 class FakeSource:
@@ -15,13 +15,14 @@ class FakeSource:
         self.fault = fault
         self.asked: list[str] = []
 
-    async def manifest(self, version: int, max_bytes: int) -> bytes:
+    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
         raise NotImplementedError
 
     async def plan(self, version: int, max_bytes: int) -> bytes:
         raise NotImplementedError
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
         self.asked.append(ref.sha256)
         if self.fault is not None:
             raise self.fault(f"{self.name}: {self.fault.__name__}")

@@ -64,6 +64,7 @@ def _rollout_info() -> dict[str, Any]:
             "engine_pid": 123, "engine_restarts": 0, "engine_busy_s": {"generate": 1.5, "load": 0.1},
             "refused_heads": {"bad_signature": 1}, "fetching_version": None, "fetched_from": {f"rollout:{PEER[-8:]}": 9},
             "fetch": {"chunks_fetched": 3, "bytes_fetched": 3000, "source_busy": 2, "source_error": 1,
+                      "hedges_fired": 3, "hedges_won": 2, "hedge_bytes": 120,
                       "source_too_slow": 1, "bans": 1, "bans_too_slow": 1, "parent_not_begun": 4,
                       "parent_passed_over": 1, "parent_unknown": 2, "parent_behind": 1},
             "arrival_s": {"1": 0.5}, "trusted_key": "ed25519:00",
@@ -175,6 +176,9 @@ def test_rollout_state_maps_to_named_families():
     assert _value(scraped, "echo2swarm_fetch_source_bans_total", reason="too_slow") == 1
     assert _value(scraped, "echo2swarm_fetch_plan_parent_events_total", event="not_begun") == 4
     assert _value(scraped, "echo2swarm_fetch_plan_parent_events_total", event="unknown") == 2
+    assert _value(scraped, "echo2swarm_fetch_hedges_total", outcome="fired") == 3
+    assert _value(scraped, "echo2swarm_fetch_hedges_total", outcome="won") == 2
+    assert _value(scraped, "echo2swarm_fetch_hedge_discarded_bytes_total") == 120
     assert _value(scraped, "echo2swarm_policy_heads_refused_total", reason="bad_signature") == 1
     assert "echo2swarm_learner_step_seconds" not in scraped
     assert "process_resident_memory_bytes" in {s.name for f in scraped.values() for s in f.samples}

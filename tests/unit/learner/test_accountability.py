@@ -23,13 +23,19 @@ def _right_group(lease: Lease, index: int = 0) -> GroupSubmission:
                            completions=[completion(ids), completion(ids)])
 
 
-def test_a_newcomer_is_on_probation_until_it_delivers() -> None:
-    ledger = PeerLedger(PeersConfig(probation_prompts=2))
+def test_a_newcomer_is_on_probation_until_enough_of_its_work_is_verified() -> None:
+    ledger = PeerLedger(PeersConfig(probation_prompts=2, graduate_after_groups=3))
     assert ledger.allowance(A, want=8, open_leases=0, now=0.0) == 2
     ledger.issued(A, 2, now=0.0)
     assert ledger.allowance(A, want=8, open_leases=1, now=0.1) == 0 and ledger.stats["capped_probation"] == 1
     ledger.delivered(A, 2, now=1.0)
-    assert not ledger.on_probation(A) and ledger.allowance(A, want=8, open_leases=0, now=1.0) == 8
+    # Delivering lifts the per-identity cap (the newcomers' pool still bounds it), not probation:
+    assert ledger.on_probation(A) and ledger.allowance(A, want=8, open_leases=0, now=1.0) == 8
+    ledger.verified(A, 2)
+    assert ledger.on_probation(A)
+    ledger.verified(A, 1)
+    assert not ledger.on_probation(A) and ledger.stats["graduated"] == 1
+    assert not PeerLedger(PeersConfig(enabled=False)).on_probation(A)
 
 
 def test_undelivered_prompts_and_open_leases_are_capped_per_window() -> None:
@@ -110,6 +116,8 @@ def test_a_client_that_takes_leases_and_never_submits_holds_a_bounded_share() ->
 def test_a_peer_gets_no_more_held_lease_requests_than_leases_it_may_hold() -> None:
     async def scenario() -> None:
         intake = make_intake(staleness=1, prompts_per_step=2, peers=PeersConfig(max_open_leases=2, probation_prompts=2))
+        for peer in (A, B):  # both graduated: their work comes from the learner's budget
+            intake.ledger.verified(peer, intake.ledger.config.graduate_after_groups)
         for _ in range(2):  # the learner's budget (4 prompts) is spent on A
             intake.ledger.delivered(A, 1, now=0.0)
             assert isinstance(await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A), Lease)
@@ -125,5 +133,43 @@ def test_a_peer_gets_no_more_held_lease_requests_than_leases_it_may_hold() -> No
         assert intake.ledger.stats["held_requests_refused"] == 1
         intake.finish()
         await asyncio.wait_for(asyncio.gather(*held), 5)
+
+    asyncio.run(scenario())
+
+
+def test_fresh_identities_share_one_newcomer_pool_outside_the_in_flight_budget() -> None:
+    """A hundred keys that each take a newcomer's share and never deliver hold only the newcomers'
+    pool: a graduated peer still gets the whole in-flight budget."""
+    async def scenario() -> None:
+        peers = PeersConfig(probation_prompts=2, newcomer_prompts=4)
+        intake = make_intake(staleness=1, prompts_per_step=2, peers=peers)
+        sybils = [f"12D3KooWSybil{i:039d}" for i in range(100)]
+        granted = [await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), s) for s in sybils]
+        assert sum(isinstance(r, Lease) for r in granted) == 2  # 2 leases of 2 prompts fill the pool of 4
+        assert intake.leases.open_prompts(newcomer=True) == 4 and intake.ledger.stats["newcomer_pool_full"] == 98
+        assert {r.reason for r in granted if isinstance(r, LeaseWait)} == {"newcomers' share of the work is taken (probation)"}
+        intake.ledger.delivered(A, peers.graduate_after_groups, now=0.0)
+        intake.ledger.verified(A, peers.graduate_after_groups)
+        lease = await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)
+        assert isinstance(lease, Lease) and len(lease.prompts) == 2
+        lease = await intake.rpc_lease(LeaseRequest(max_prompts=2, held_version=5), A)
+        assert isinstance(lease, Lease) and len(lease.prompts) == 2  # the whole (S + 1) * R budget
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_group_s_prompt_never_goes_back_to_its_peer() -> None:
+    async def scenario() -> None:
+        intake = make_intake(staleness=1, prompts_per_step=2)
+        lease = await intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A)
+        assert isinstance(lease, Lease)
+        assert intake.accept(_right_group(lease), A) is None
+        group = intake.buffer.take(5, 1)[0]
+        intake.reissue([group])  # verification refused it
+        again = await intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A)
+        assert isinstance(again, Lease) and again.prompts[0].prompt_id != group.prompt_id
+        other = await intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), B)
+        assert isinstance(other, Lease) and other.prompts[0].prompt_id == group.prompt_id
+        assert intake.leases.avoid == {}
 
     asyncio.run(scenario())

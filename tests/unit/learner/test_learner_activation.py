@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from echo2swarm.config.rl import ActivationConfig, TrainConfig
-from echo2swarm.learner.activation_loop import LearnerActivation
+from echo2swarm.learner.activation_loop import Activity, LearnerActivation
 
 
 @dataclass
@@ -17,15 +17,25 @@ class Card:
     state: str = "ready"
 
 
-def _loop(**activation) -> LearnerActivation:
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _loop(clock: Clock | None = None, **activation) -> LearnerActivation:
     train = TrainConfig(prompts_per_step=8, group_size=4)  # R = 32
-    return LearnerActivation(ActivationConfig(min_steps=2, **activation), train)
+    return LearnerActivation(ActivationConfig(min_steps=2, **activation), train, clock=clock or Clock())
 
 
-def _delivered(act: LearnerActivation, cards: list[Card]) -> None:
-    """Each peer delivered what its card claims: only delivered work counts in the plan."""
+def _delivered(act: LearnerActivation, cards: list[Card], verified: int = 4) -> None:
+    """Each peer delivered what its card claims and `verified` of its groups passed verification:
+    only delivered, verified work counts in the plan."""
     for card in cards:
         act.on_delivery(card.peer_id, int(card.rollouts_per_s or 0), 1.0)
+        act.on_verified([card.peer_id] * verified)
 
 
 def test_everyone_works_until_t_train_is_measured():
@@ -65,6 +75,7 @@ def test_only_peers_that_asked_for_work_are_planned_and_delivered_mu_wins():
     cards = [Card("a", 0.2, 40), Card("b", 0.3, 40), Card("other", 0.0, 400), Card("new", 0.1, None)]
     act.on_delivery("a", 32, 1.0)  # a really delivers 32/s, less than its card says
     act.on_delivery("b", 40, 1.0)
+    act.on_verified(["a", "b"] * 4)
     act.replan(cards, {"a", "b", "new"})
     assert "other" not in act.workers and "new" not in act.workers  # never asked us / delivered nothing yet
     assert act.workers["a"].mu == 32
@@ -119,3 +130,65 @@ def test_inflight_target_from_measured_latency_and_step_time():
     # 8 for the next step + 1.5 x 8 groups/step x (1.0 s of work / 0.5 s per step) = 8 + 24
     assert act.inflight_target(8, 1.5) == 32
     assert act.inflight_target(8, 1.0) == 24
+
+
+def test_a_burst_of_unverified_or_little_work_displaces_nobody():
+    """Five fresh keys at price 0 each deliver one fast group: not enough verified work to be planned,
+    so the peers that deliver stay active."""
+    act = _loop(plan_after_groups=4)
+    for _ in range(3):
+        act.on_step(0.5)  # floor 70.4
+    honest = [Card("a", 0.2, 40), Card("b", 0.3, 40)]
+    _delivered(act, honest)
+    rogues = [Card(f"rogue{i}", 0.0, 1e6) for i in range(5)]
+    for rogue in rogues:
+        act.on_delivery(rogue.peer_id, 8, 0.025)  # 320 rollouts/s for one group
+        act.on_verified([rogue.peer_id])
+    seen = {c.peer_id for c in [*honest, *rogues]}
+    act.replan([*honest, *rogues], seen)
+    assert act.snapshot()["active"] == ["a", "b"] and all(act.gate(c.peer_id) is None for c in honest)
+
+
+def test_a_planned_peer_that_goes_quiet_is_replaced_at_the_next_replan_and_must_earn_its_place_again():
+    clock = Clock()
+    act = _loop(clock, quiet_after_s=5.0)
+    for _ in range(3):
+        act.on_step(0.5)  # floor 70.4
+    cards = [Card("fast", 0.0, 100), Card("a", 0.2, 40), Card("b", 0.3, 40)]
+    _delivered(act, cards)
+    busy = {c.peer_id: Activity(last_request=clock.now, oldest_open=None) for c in cards}
+    act.replan(cards, set(busy), busy)
+    assert act.snapshot()["active"] == ["fast"] and act.gate("a") and act.gate("b")  # a, b on standby
+    clock.now += 4.0  # "fast" went silent; a and b keep asking (standby retries)
+    asking = {**busy, "a": Activity(clock.now, None), "b": Activity(clock.now, None)}
+    act.replan(cards, set(asking), asking)
+    assert act.snapshot()["active"] == ["fast"]  # 4 s: not quiet yet
+    clock.now += 2.0
+    asking = {**busy, "a": Activity(clock.now, None), "b": Activity(clock.now, None)}
+    act.replan(cards, set(asking), asking)
+    assert act.snapshot()["active"] == ["a", "b"] and act.gate("a") is None and act.gate("fast") is None
+    assert act.quiet_events == 1 and "fast" not in act.workers
+    # Back again with one fast delivery: not planned until it has delivered enough verified work.
+    act.on_delivery("fast", 100, 1.0)
+    act.on_verified(["fast"] * 3)
+    asking = {p: Activity(clock.now, None) for p in ("fast", "a", "b")}
+    act.replan(cards, set(asking), asking)
+    assert act.snapshot()["active"] == ["a", "b"]
+
+
+def test_a_planned_peer_sitting_on_a_lease_is_quiet_but_a_slow_one_within_its_lease_time_is_not():
+    clock = Clock()
+    act = _loop(clock, quiet_after_s=5.0)
+    for _ in range(3):
+        act.on_step(0.5)
+    act.on_delivery("slow", 80, 8.0)  # 10 rollouts/s, 8 s a lease
+    act.on_delivery("hoarder", 80, 1.0)
+    act.on_verified(["slow", "hoarder"] * 4)
+    cards = [Card("slow", 0.1, 10), Card("hoarder", 0.1, 80)]
+    issued = clock.now
+    clock.now += 20.0  # both hold a lease issued 20 s ago and asked for more since
+    activity = {"slow": Activity(clock.now, issued), "hoarder": Activity(clock.now, issued)}
+    act.planned, act.controller.active = True, {"slow", "hoarder"}
+    act.replan(cards, set(activity), activity)
+    assert "hoarder" not in act.workers and act.quiet_events == 1  # 20 s > max(5, 3 x 1 s)
+    assert "slow" in act.workers  # 20 s < 3 x its 8 s lease time

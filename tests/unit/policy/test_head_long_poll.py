@@ -15,7 +15,8 @@ import pytest
 
 from echo2swarm.config.models import ChunkServerConfig
 from echo2swarm.learner.versions import VersionWriter
-from echo2swarm.policy.server import HEAD_RECHECK_S, ChunkServer, ChunkService
+from echo2swarm.policy.head_watch import HEAD_RECHECK_S
+from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.wire.signing import PolicyKey
 

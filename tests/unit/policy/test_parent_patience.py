@@ -18,7 +18,7 @@ import pytest
 from echo2swarm.config.models import FetchConfig
 from echo2swarm.policy.fetcher import PolicyFetcher
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
-from echo2swarm.policy.sources import SourceMissing
+from echo2swarm.policy.sources import Progress, SourceMissing
 from echo2swarm.policy.store import ChunkStore
 from helpers.sources import FakeSource
 
@@ -33,7 +33,8 @@ class Parent(FakeSource):
         super().__init__(name, data)
         self.begun, self.holds = begun, holds
 
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None) -> bytes:
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
         self.asked.append(ref.sha256)
         if self.holds:
             await asyncio.sleep(wait)  # the parent's hold, scripted: the whole wait, then "not held"

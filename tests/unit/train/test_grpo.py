@@ -65,7 +65,7 @@ def _logprobs(base: torch.Tensor, ratio: torch.Tensor = RATIO) -> torch.Tensor:
 def test_grpo_loss_hand_computed_ppo_clip() -> None:
     lp = _logprobs(BEHAVIOUR)
 
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, clip_low=0.2, clip_high=0.2)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, options=LossOptions(clip_low=0.2, clip_high=0.2))
     loss.backward()
 
     assert loss.item() == pytest.approx(-0.34, abs=1e-12)
@@ -84,7 +84,7 @@ def test_grpo_loss_hand_computed_ppo_clip() -> None:
 def test_grpo_loss_asymmetric_clip() -> None:
     # clip_high 0.6 puts r=1.5 inside the region for A>0: (0,0) becomes unclipped, loss -3.0.
     lp = _logprobs(BEHAVIOUR)
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, clip_low=0.2, clip_high=0.6)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, options=LossOptions(clip_low=0.2, clip_high=0.6))
     assert loss.item() == pytest.approx((-3.0 - 1.0 + 0.4 + 0.55 + 0.75) / 5)
     assert stats["clip_frac"] == pytest.approx(0.2)
 
@@ -107,13 +107,14 @@ def test_grpo_loss_unclipped_equals_policy_gradient() -> None:
 #   is_weight_mean capped = 7/5; grad (0,1) = -A r w / 5 = -0.1
 WEIGHT = torch.tensor([[3.0, 0.5, 1.0], [1.0, 1.5, 2.5]], dtype=D)
 PROXIMAL = BEHAVIOUR + WEIGHT.log()
+CAP2 = LossOptions(is_cap=2.0)
 
 
 def test_grpo_loss_decoupled_is_weights_capped() -> None:
     proximal = PROXIMAL.clone().requires_grad_(True)  # must receive no gradient
     lp = _logprobs(PROXIMAL)
 
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=proximal, is_cap=2.0)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=proximal, options=CAP2)
     loss.backward()
 
     assert loss.item() == pytest.approx(-0.515)
@@ -128,7 +129,7 @@ def test_grpo_loss_decoupled_is_weights_capped() -> None:
 
 def test_grpo_loss_decoupled_without_cap() -> None:
     lp = _logprobs(PROXIMAL)
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=None)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=LossOptions(is_cap=None))
     assert loss.item() == pytest.approx(-0.92)
     assert stats["is_weight_mean"] == pytest.approx((3.0 + 0.5 + 1.0 + 1.5 + 2.5) / 5)
 
@@ -151,25 +152,25 @@ def test_grpo_loss_kl_k3_hand_computed() -> None:
     ref = lp.detach() + KL_DELTA
     expected_kl = (math.e - 1.5) / 5
 
-    k3 = LossOptions(kl_estimator="k3")
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1, options=k3)
+    k3 = LossOptions(kl_estimator="k3", kl_coef=0.1)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=k3)
     assert stats["kl"] == pytest.approx(expected_kl)
     assert loss.item() == pytest.approx(-0.34 + 0.1 * expected_kl)
 
     # reported but not added when kl_coef is 0
-    loss0, stats0 = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=k3)
+    loss0, stats0 = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=LossOptions(kl_estimator="k3"))
     assert loss0.item() == pytest.approx(-0.34)
     assert stats0["kl"] == pytest.approx(expected_kl)
 
     # d/dlp of k3 = 1 - exp(d), token mean: (0,1) -> (1 - 2)/5 more (times kl_coef)
     lp.grad = None
-    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1, options=k3)
+    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=k3)
     loss.backward()
     kl_grad = 0.1 * (1 - KL_DELTA.exp()) * MASK / 5
     torch.testing.assert_close(lp.grad, EXPECTED_GRAD + kl_grad)
 
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(lp, BEHAVIOUR, ADV, MASK, kl_coef=0.1)
+        grpo_loss(lp, BEHAVIOUR, ADV, MASK, options=LossOptions(kl_coef=0.1))
 
 
 @pytest.mark.parametrize("garbage", [1e4, -1e4, float("inf"), float("-inf"), float("nan")])
@@ -177,7 +178,7 @@ def test_grpo_loss_padding_contributes_nothing(garbage: float) -> None:
     ref = BEHAVIOUR + KL_DELTA
     lp = _logprobs(PROXIMAL)
     clean_loss, clean_stats = grpo_loss(
-        lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, ref_logprobs=ref, kl_coef=0.1
+        lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, ref_logprobs=ref, options=LossOptions(kl_coef=0.1)
     )
     clean_loss.backward()
     clean_grad = lp.grad.clone()
@@ -189,7 +190,8 @@ def test_grpo_loss_padding_contributes_nothing(garbage: float) -> None:
 
     lp2 = dirty(lp).requires_grad_(True)
     loss, stats = grpo_loss(
-        lp2, dirty(BEHAVIOUR), ADV, MASK, proximal_logprobs=dirty(PROXIMAL), ref_logprobs=dirty(ref), kl_coef=0.1
+        lp2, dirty(BEHAVIOUR), ADV, MASK, proximal_logprobs=dirty(PROXIMAL), ref_logprobs=dirty(ref),
+        options=LossOptions(kl_coef=0.1),
     )
     loss.backward()
 
@@ -390,24 +392,24 @@ def test_loss_options_validated() -> None:
 
 
 def test_token_mask_mode_hand_computed() -> None:
-    # WEIGHT (proximal/behaviour) = [[3, .5, pad], [1, 1.5, 2.5]], cap 2: tokens (0,0) and (1,2) leave
-    # the objective. Left: (0,1) -1.0 * .5, (1,0) 0.4 * 1, (1,1) 0.55 * 1.5 -> 0.725 over 3 tokens.
+    # WEIGHT (proximal/behaviour) = [[3, .5, pad], [1, 1.5, 2.5]], cap 2: tokens (0,0) and (1,2) weigh 0
+    # and stay in the token mean. Left: (0,1) -1.0 * .5, (1,0) 0.4 * 1, (1,1) 0.55 * 1.5 -> 0.725 over 5.
     lp = _logprobs(PROXIMAL)
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0,
-                            options=LossOptions(is_mode="mask"))
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL,
+                            options=LossOptions(is_mode="mask", is_cap=2.0))
     loss.backward()
-    assert loss.item() == pytest.approx(0.725 / 3)
+    assert loss.item() == pytest.approx(0.725 / 5)
     assert stats["is_masked_frac"] == pytest.approx(2 / 5)
     assert stats["is_truncated_frac"] == 0.0
     assert stats["is_weight_mean"] == pytest.approx((0.5 + 1.0 + 1.5) / 3)
-    # d/dlp = -A r w / 3 on unclipped kept tokens; masked and clipped ones get nothing
-    expected = torch.tensor([[0.0, -2.0 * 0.5 * 0.5 / 3, 0.0], [0.0, 0.55 * 1.5 / 3, 0.0]], dtype=D)
+    # d/dlp = -A r w / 5 on unclipped kept tokens; masked and clipped ones get nothing
+    expected = torch.tensor([[0.0, -2.0 * 0.5 * 0.5 / 5, 0.0], [0.0, 0.55 * 1.5 / 5, 0.0]], dtype=D)
     torch.testing.assert_close(lp.grad, expected)
 
 
 def test_truncate_mode_reports_truncated_share_and_ess() -> None:
     lp = _logprobs(PROXIMAL)
-    _, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0)
+    _, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=CAP2)
     assert stats["is_truncated_frac"] == pytest.approx(2 / 5)  # weights 3 and 2.5 cut to 2
     raw = [3.0, 0.5, 1.0, 1.5, 2.5]
     assert stats["is_ess"] == pytest.approx(sum(raw) ** 2 / (5 * sum(w * w for w in raw)))
@@ -420,83 +422,58 @@ def test_sequence_level_weights_hand_computed() -> None:
     # one weight per sequence: the geometric mean of its tokens' weights
     w0, w1 = math.sqrt(3.0 * 0.5), (1.0 * 1.5 * 2.5) ** (1 / 3)  # 1.2247, 1.5536
     lp = _logprobs(PROXIMAL)
-    seq = LossOptions(is_level="sequence")
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=seq)
+    seq = LossOptions(is_level="sequence", is_cap=2.0)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=seq)
     assert loss.item() == pytest.approx((w0 * -3.4 + w1 * 1.7) / 5)
     assert stats["is_truncated_frac"] == 0.0
     # cap 1.5 with masking: sequence 1 (weight 1.55) leaves the objective as a whole
-    masked = LossOptions(is_level="sequence", is_mode="mask")
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=1.5, options=masked)
-    assert loss.item() == pytest.approx(w0 * -3.4 / 2)
+    masked = LossOptions(is_level="sequence", is_mode="mask", is_cap=1.5)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=masked)
+    assert loss.item() == pytest.approx(w0 * -3.4 / 5)  # sequence 1's three tokens count, as zeros
     assert stats["is_masked_frac"] == pytest.approx(3 / 5)
     # truncated instead: sequence 1 weighs 1.5
-    cut = LossOptions(is_level="sequence", is_mode="truncate")
-    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=1.5, options=cut)
+    cut = LossOptions(is_level="sequence", is_mode="truncate", is_cap=1.5)
+    loss, _ = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=cut)
     assert loss.item() == pytest.approx((w0 * -3.4 + 1.5 * 1.7) / 5)
 
 
 def test_kl_k3_is_hand_computed() -> None:
-    # lp = behaviour + log RATIO, so pi/mu = RATIO (all <= 2: no truncation); k3 per token from KL_DELTA.
+    # lp = behaviour + log RATIO: the prefix weights pi(y<=t)/mu(y<=t) are RATIO's running products,
+    # W = [[1.5, 0.75, -], [0.5, 0.55, 0.825]] (below the cap); k3 per token from KL_DELTA:
+    # [[0, 1 - ln 2, -], [ln 2 - 0.5, e - 2, 0]]; KL = sum W k3 / 5 = 0.72176 / 5.
     lp = _logprobs(BEHAVIOUR)
     ref = lp.detach() + KL_DELTA
-    k3 = torch.exp(KL_DELTA) - KL_DELTA - 1
-    expected_kl = float((RATIO * k3 * MASK).sum() / 5)
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, kl_coef=0.1)
+    k3 = (torch.exp(KL_DELTA) - KL_DELTA - 1) * MASK
+    w = torch.tensor([[1.5, 0.75, 0.0], [0.5, 0.55, 0.825]], dtype=D)
+    expected_kl = float((w * k3).sum() / 5)
+    assert expected_kl == pytest.approx(0.72176 / 5, abs=1e-5)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, ref_logprobs=ref, options=LossOptions(kl_coef=0.1))
     loss.backward()
     assert stats["kl"] == pytest.approx(expected_kl)
     assert loss.item() == pytest.approx(-0.34 + 0.1 * expected_kl)
-    # d/dlp [(pi/mu) k3] = (pi/mu) (log pi - log ref) = RATIO * -KL_DELTA
-    torch.testing.assert_close(lp.grad, EXPECTED_GRAD + 0.1 * RATIO * -KL_DELTA * MASK / 5)
-
-
-def _kl_estimate(estimator: str, theta: torch.Tensor, mu: torch.Tensor, ref: torch.Tensor, copies: list[int]):
-    """The token-mean KL term over a batch holding token i `copies[i]` times (an exact expectation
-    under the behaviour distribution mu = copies / sum(copies))."""
-    tokens = torch.tensor([i for i, c in enumerate(copies) for _ in range(c)])
-    logp = torch.log_softmax(theta, dim=-1)
-    lp = logp[tokens].unsqueeze(1)
-    loss, stats = grpo_loss(lp, mu.log()[tokens].unsqueeze(1), torch.zeros(len(tokens), dtype=D), torch.ones_like(lp),
-                            ref_logprobs=ref.log()[tokens].unsqueeze(1), kl_coef=1.0, is_cap=None,
-                            options=LossOptions(kl_estimator=estimator))
-    return loss, stats
-
-
-def test_kl_k3_is_is_unbiased_for_reverse_kl_off_policy() -> None:
-    # Behaviour mu != pi: the importance-corrected k3 has the value and the gradient of KL(pi || ref).
-    copies = [4, 2, 1, 1]
-    mu = torch.tensor(copies, dtype=D) / sum(copies)
-    ref = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=D)
-    theta = torch.tensor([0.3, -0.2, 0.1, 0.5], dtype=D, requires_grad=True)
-    loss, stats = _kl_estimate("k3_is", theta, mu, ref, copies)
-    loss.backward()
-
-    theta2 = theta.detach().clone().requires_grad_(True)
-    pi = torch.softmax(theta2, dim=-1)
-    true_kl = (pi * (pi.log() - ref.log())).sum()
-    true_kl.backward()
-    assert stats["kl"] == pytest.approx(float(true_kl))
-    torch.testing.assert_close(theta.grad, theta2.grad)
-
-    # The plain k3 on the same samples estimates neither (it is biased off-policy).
-    theta3 = theta.detach().clone().requires_grad_(True)
-    _, plain = _kl_estimate("k3", theta3, mu, ref, copies)
-    assert abs(plain["kl"] - float(true_kl)) > 1e-3
+    # d/dlp_s = sum_{t >= s} W_t k3_t (through the weights of the prefixes holding s)
+    #         + W_s (1 - exp(delta_s))  (through k3_s), over 5 tokens, times kl_coef
+    later = (w * k3).flip(1).cumsum(1).flip(1)
+    kl_grad = (later + w * (1 - KL_DELTA.exp())) * MASK / 5
+    assert kl_grad[1, 1].item() == pytest.approx((0.55 * (math.e - 2) + 0.55 * (1 - math.e)) / 5)
+    torch.testing.assert_close(lp.grad, EXPECTED_GRAD + 0.1 * kl_grad)
 
 
 def test_sequence_product_weights_hand_computed() -> None:
     # one weight per sequence: the product of its tokens' weights, pi(y)/mu(y) of the completion
     p0, p1 = 3.0 * 0.5, 1.0 * 1.5 * 2.5  # 1.5, 3.75
     lp = _logprobs(PROXIMAL)
-    product = LossOptions(is_level="sequence_product")
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=5.0, options=product)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL,
+                            options=LossOptions(is_level="sequence_product", is_cap=5.0))
     assert loss.item() == pytest.approx((p0 * -3.4 + p1 * 1.7) / 5)
     assert stats["is_truncated_frac"] == 0.0
     # cap 2: sequence 1 (3.75) is truncated to 2, all three of its tokens counted as cut
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=product)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL,
+                            options=LossOptions(is_level="sequence_product", is_cap=2.0))
     assert loss.item() == pytest.approx((p0 * -3.4 + 2.0 * 1.7) / 5)
     assert stats["is_truncated_frac"] == pytest.approx(3 / 5)
     # masked instead: sequence 1 leaves the objective as a whole
-    masked = LossOptions(is_level="sequence_product", is_mode="mask")
-    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, is_cap=2.0, options=masked)
-    assert loss.item() == pytest.approx(p0 * -3.4 / 2)
+    masked = LossOptions(is_level="sequence_product", is_mode="mask", is_cap=2.0)
+    loss, stats = grpo_loss(lp, BEHAVIOUR, ADV, MASK, proximal_logprobs=PROXIMAL, options=masked)
+    assert loss.item() == pytest.approx(p0 * -3.4 / 5)  # sequence 1's three tokens count, as zeros
     assert stats["is_masked_frac"] == pytest.approx(3 / 5)

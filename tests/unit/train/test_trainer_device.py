@@ -13,7 +13,7 @@ from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.train.grpo import grpo_loss, token_logprobs
+from echo2swarm.train.grpo import LossOptions, grpo_loss, token_logprobs
 from echo2swarm.train.trainer import GRPOTrainer
 from helpers.groups import make_groups
 
@@ -40,7 +40,7 @@ def test_cpu_step_matches_the_plain_cpu_recipe(tiny_model_dir: Path) -> None:
                                   betas=(config.adam_beta1, config.adam_beta2))
     logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     loss, _ = grpo_loss(logprobs, batch.behaviour, batch.advantages, batch.completion_mask,
-                        clip_low=config.clip_low, clip_high=config.clip_high, is_cap=config.is_cap)
+                        options=LossOptions.from_config(config))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)

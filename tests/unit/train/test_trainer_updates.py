@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.train.grpo import grpo_loss, token_logprobs
+from echo2swarm.train.grpo import LossOptions, grpo_loss, token_logprobs
 from echo2swarm.train.trainer import GRPOTrainer
 from helpers.groups import make_groups
 
@@ -96,12 +96,10 @@ def test_single_update_matches_grpo_loss_with_the_configured_options(tiny_model_
     batch = trainer.build_batch(groups)
     with torch.no_grad():
         lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    from echo2swarm.train.grpo import LossOptions
-
+    options = LossOptions(loss_type="dr_grpo", is_mode="mask", is_level="sequence",
+                          max_completion_length=config.max_new_tokens)
     expected, _ = grpo_loss(lp, batch.behaviour, batch.advantages, batch.completion_mask, proximal_logprobs=lp,
-                            is_cap=config.is_cap, options=LossOptions(loss_type="dr_grpo", is_mode="mask",
-                                                                      is_level="sequence",
-                                                                      max_completion_length=config.max_new_tokens))
+                            options=options)
     stats = trainer.step(groups, current_version=2)
     assert stats["loss"] == pytest.approx(float(expected), rel=1e-5)
 
