@@ -33,7 +33,11 @@ def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None
 
 
 class LocalSwarm:
-    """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left."""
+    """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left.
+
+    Shared by several tests (tests/conftest.py `module_swarm`): a module-scoped fixture starts what its
+    tests read once, and each test adds its own daemons through `joined(tmp_path)`, a view on the same
+    swarm whose `close()` ends only the daemons started through it."""
 
     def __init__(self, root: Path, swarm: str = "test"):
         self.root = root
@@ -41,6 +45,13 @@ class LocalSwarm:
         self.daemons: list[DaemonProcess] = []
         self._children: set[int] = set()
         self.bootstrap_addr: str | None = None
+        self.shared: LocalSwarm | None = None  # the swarm this one is a view on (`joined`)
+
+    def joined(self, root: Path) -> "LocalSwarm":
+        """A view on this swarm for one test: same name and bootstrap, its own daemons under `root`."""
+        view = LocalSwarm(root, self.swarm)
+        view.bootstrap_addr, view.shared = self.bootstrap_addr, self
+        return view
 
     def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,
               env: dict[str, str] | None = None) -> DaemonProcess:
@@ -67,20 +78,13 @@ class LocalSwarm:
         trust_args = ["--trust", f"{trust}"] if trust else []
         return self.start(name, "--role", "rollout", "--price", str(price), *trust_args, *args, **kw)
 
+    def all_daemons(self) -> list[DaemonProcess]:
+        """Every daemon started in this swarm, in start order; a view's shared daemons first."""
+        return [*(self.shared.all_daemons() if self.shared else []), *self.daemons]
+
     def log_tails(self, lines: int) -> list[tuple[str, str]]:
-        """(name, digest) for every daemon started, in start order: its last `lines` warnings and
-        errors, then its last `lines` lines (at DEBUG a busy daemon's tail covers only seconds)."""
-        out = []
-        for d in self.daemons:
-            try:
-                text = d.log_path.read_text(errors="replace").splitlines()
-            except FileNotFoundError:
-                out.append((d.name, "(no log)"))
-                continue
-            alarms = [line for line in text if " WARN " in line or " ERROR " in line][-lines:]
-            out.append((d.name, "\n".join([f"-- last {len(alarms)} warnings and errors", *alarms,
-                                            f"-- last {min(lines, len(text))} lines", *text[-lines:]])))
-        return out
+        """(name, digest) for every daemon of `all_daemons()`: see `log_digest`."""
+        return [(d.name, log_digest(d, lines)) for d in self.all_daemons()]
 
     def close(self) -> None:
         for d in reversed(self.daemons):
@@ -90,6 +94,18 @@ class LocalSwarm:
         for pid in self._children:  # only pids our daemons spawned (p2pd)
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def log_digest(daemon: DaemonProcess, lines: int) -> str:
+    """A daemon's last `lines` warnings and errors, then its last `lines` lines (at DEBUG a busy
+    daemon's tail covers only seconds)."""
+    try:
+        text = daemon.log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    alarms = [line for line in text if " WARN " in line or " ERROR " in line][-lines:]
+    return "\n".join([f"-- last {len(alarms)} warnings and errors", *alarms, f"-- last {min(lines, len(text))} lines",
+                      *text[-lines:]])
 
 
 class SwarmWatcher:

@@ -61,10 +61,16 @@ async def _hostile_peer(bootstrap: str, swarm: str, learner_peer_id: str) -> dic
     return outcome
 
 
-def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
-    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
-):
-    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
+@pytest.fixture(scope="module")
+def synced(module_swarm: LocalSwarm, tiny_model_dir: Path, module_policy_key: Path) -> tuple:
+    """The learner and relay the first two tests share: they leave both serving v1, as they found them.
+    (The rogue learner's head outlives its test: the forged-records test, which counts heads, runs first.)"""
+    return _synced(module_swarm, tiny_model_dir, module_policy_key)
+
+
+def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(module_swarm: LocalSwarm, synced: tuple):
+    learner, relay = synced
+    local_swarm = module_swarm
     assert local_swarm.bootstrap_addr
     outcome = asyncio.run(_hostile_peer(local_swarm.bootstrap_addr, local_swarm.swarm, learner.info["peer_id"]))
     assert len(outcome.get("rpc_refused", [])) == 2, outcome
@@ -103,15 +109,16 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
 
 
 def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
-    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+    joined_swarm: LocalSwarm, synced: tuple, tiny_model_dir: Path, module_policy_key: Path, tmp_path: Path
 ):
     from echo2swarm.wire.signing import PolicyKey
 
-    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
+    policy_key = module_policy_key
+    learner, relay = synced
     rogue_key = tmp_path / "rogue.key"
     PolicyKey.generate().save(rogue_key)
-    rogue = local_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
-    local_swarm.ready(rogue)
+    rogue = joined_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
+    joined_swarm.ready(rogue)
     info_url = relay.info["chunk_url"] + "/v1/info"
     wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 20,
                what="the relay to refuse the rogue head")
