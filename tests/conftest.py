@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,43 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
+@dataclass(frozen=True)
+class WarmModel:
+    path: Path
+    warmup: Any  # echo2swarm.models.warmup.WarmupResult: the steps it ran, its last greedy accuracy on train prompts
+
+
 @pytest.fixture(scope="session")
-def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after a short supervised warm-up on arith: RL has something to improve."""
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> WarmModel:
+    """The demo's starting model, built once a session as `echo2swarm demo` builds it: the tiny model
+    after its supervised warm-up on arith until greedy accuracy 0.3 on train prompts (RL has something
+    to improve). Every test that trains from a warm model starts from this one; a test that runs the
+    demo copies it into the demo's run directory, where the demo finds it and skips its own warm-up.
+    `warmup` is what the warm-up returned (recorded as write_tiny_model calls it)."""
+    from echo2swarm.cli.demo_run import DEMO_TASKS
+    from echo2swarm.models import warmup
     from echo2swarm.models.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith",
-                            warmup_steps=3000, warmup_accuracy=0.3)
+    arith = DEMO_TASKS["arith"]
+    results = []
+    real = warmup.supervised_warmup
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(warmup, "supervised_warmup", recorded)
+        path = write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith",
+                                warmup_steps=arith.warmup_steps, warmup_accuracy=arith.warmup_accuracy,
+                                task_options=arith.options)
+    (result,) = results
+    return WarmModel(path, result)
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(warm_model: WarmModel) -> Path:
+    return warm_model.path
 
 
 @pytest.fixture
