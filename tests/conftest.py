@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
 
-from helpers.swarm import LocalSwarm, log_digest  # noqa: E402
+from helpers.swarm import BootstrapPool, LocalSwarm, log_digest  # noqa: E402
 
 LOG_TAIL_LINES = 60
 
@@ -70,11 +70,21 @@ def policy_key(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bootstrap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootstrapPool]:
+    """Bootstraps started a test ahead (helpers/swarm.py `BootstrapPool`): `LocalSwarm.bootstrap()` takes one."""
+    pool = BootstrapPool(tmp_path_factory.mktemp("bootstraps"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def local_swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
+def local_swarm(tmp_path: Path, request: pytest.FixtureRequest, bootstrap_pool: BootstrapPool) -> Iterator[LocalSwarm]:
     """A swarm of this test's own: for a test that kills, restarts or poisons daemons, or that counts
     exactly who is in the swarm."""
-    swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8))
+    swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8), pool=bootstrap_pool)
     try:
         yield swarm
     finally:
@@ -82,7 +92,8 @@ def local_swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Loca
 
 
 @pytest.fixture(scope="module")
-def module_swarm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
+def module_swarm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+                 bootstrap_pool: BootstrapPool) -> Iterator[LocalSwarm]:
     """A swarm shared by the tests of one module, ended after its last test: each daemon start costs
     seconds of CPU (torch, hivemind, p2pd), so daemons that several tests only read start once.
 
@@ -94,7 +105,8 @@ def module_swarm(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixtu
     outlives the test and changes what the others assert. tests/swarm/test_hostile.py shows the use.
     """
     name = request.module.__name__.rsplit(".", 1)[-1]
-    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm-" + name), swarm="m" + str(abs(hash(name)) % 10**8))
+    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm-" + name), swarm="m" + str(abs(hash(name)) % 10**8),
+                       pool=bootstrap_pool)
     try:
         yield swarm
     finally:

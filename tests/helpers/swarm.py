@@ -32,6 +32,41 @@ def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None
     )
 
 
+class BootstrapPool:
+    """Bootstraps started one test ahead: a test's first step, a bootstrap of a new swarm, costs seconds
+    (torch, hivemind, p2pd) before anything else can join. The pool hands out one started during the
+    test before, each of its own swarm name as `LocalSwarm.bootstrap` would start it, and starts the
+    next; the one nobody took is ended by `close()`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.spare: tuple[DaemonProcess, str] | None = None
+        self.started = 0
+
+    def _start(self) -> tuple[DaemonProcess, str]:
+        self.started += 1
+        swarm = f"b{os.getpid() % 10000}x{self.started}"
+        d = DaemonProcess("bootstrap", [*loopback_args(swarm, "DEBUG"), "--role", "bootstrap", "--new-swarm"],
+                          self.root / swarm)
+        return d.start(), swarm
+
+    def take(self) -> tuple[DaemonProcess, str]:
+        """A started bootstrap (not necessarily ready yet) and its swarm's name."""
+        taken = self.spare or self._start()
+        self.spare = self._start()
+        return taken
+
+    def close(self) -> None:
+        if self.spare is not None:
+            d = self.spare[0]
+            children = child_pids(d.pid) if d.running() else []
+            d.terminate(grace=10)
+            for pid in children:  # its p2pd, if it outlived a SIGKILLed daemon
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            self.spare = None
+
+
 class LocalSwarm:
     """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left.
 
@@ -39,9 +74,10 @@ class LocalSwarm:
     tests read once, and each test adds its own daemons through `joined(tmp_path)`, a view on the same
     swarm whose `close()` ends only the daemons started through it."""
 
-    def __init__(self, root: Path, swarm: str = "test"):
+    def __init__(self, root: Path, swarm: str = "test", pool: BootstrapPool | None = None):
         self.root = root
         self.swarm = swarm
+        self.pool = pool
         self.daemons: list[DaemonProcess] = []
         self._children: set[int] = set()
         self.bootstrap_addr: str | None = None
@@ -49,7 +85,7 @@ class LocalSwarm:
 
     def joined(self, root: Path) -> "LocalSwarm":
         """A view on this swarm for one test: same name and bootstrap, its own daemons under `root`."""
-        view = LocalSwarm(root, self.swarm)
+        view = LocalSwarm(root, self.swarm, self.pool)
         view.bootstrap_addr, view.shared = self.bootstrap_addr, self
         return view
 
@@ -66,7 +102,13 @@ class LocalSwarm:
         return info
 
     def bootstrap(self) -> DaemonProcess:
-        d = self.start("bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
+        """Start the swarm's bootstrap, or take the one the pool started for it: the swarm then has the
+        pool's fresh name (a swarm with daemons already started keeps its name and starts its own)."""
+        if self.pool is not None and not self.daemons:
+            d, self.swarm = self.pool.take()
+            self.daemons.append(d)
+        else:
+            d = self.start("bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
         self.ready(d)
         self.bootstrap_addr = d.maddr
         return d
@@ -138,7 +180,8 @@ class SwarmWatcher:
         pending = asyncio.all_tasks(self.loop)
         for task in pending:
             task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # gather() of nothing would make its future on another loop
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
 
