@@ -218,9 +218,8 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
 ) -> None:
     # A step takes >= 0.5 s, so the floor is ~1.1 * 32 rollouts / 0.5 s = 70/s: both honest peers (40/s
     # each) are needed, and a planned peer claiming more at price 0 would put them on standby.
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=2000, min_step_s=0.5)
-    with open(config, "a") as f:
-        f.write(f"[activation]\nreplan_period_s = {REPLAN_S}\n")
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=2000, min_step_s=0.5,
+                          sections={"activation": {"replan_period_s": REPLAN_S}})
     swarm = local_swarm
     swarm.bootstrap()
     learner = swarm.start("learner", "--config", str(config))
