@@ -27,8 +27,8 @@ def test_standby_peer_replaces_a_killed_active_peer_within_one_replan_period(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=2000, staleness=1,
-                          prompts_per_step=8, group_size=4, min_step_s=1.0, checkpoint_every=1000)
-    config.write_text(config.read_text() + f"[activation]\nreplan_period_s = {REPLAN_S}\nstandby_retry_s = 0.3\n")
+                          prompts_per_step=8, group_size=4, min_step_s=1.0, checkpoint_every=1000,
+                          sections={"activation": {"replan_period_s": REPLAN_S, "standby_retry_s": 0.3}})
     boot = local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
     trust = Path(f"{policy_key}.pub")
