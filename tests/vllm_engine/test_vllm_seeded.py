@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from helpers.engine_contract import assert_same_completions
-from helpers.verify_lab import Lab
+from helpers.verify_lab import Lab, write_peaked_model
 
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.models.tiny import write_tiny_model
@@ -28,16 +27,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with its final norm scaled up 6x (as tests/unit/train/test_seeded_verify.py)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
-    out = tmp_path_factory.mktemp("peaked") / "model"
-    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(6.0)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(plain).save_pretrained(out)
-    return out
+    return write_peaked_model(plain, tmp_path_factory.mktemp("peaked") / "model", 6.0)
 
 
 @pytest.fixture(scope="module")
