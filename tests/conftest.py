@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,35 @@ from helpers.swarm import BootstrapPool, LocalSwarm, log_digest  # noqa: E402
 LOG_TAIL_LINES = 60
 
 
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory every pytest-xdist worker of this run sees (the workers' common temp root; the
+    session's own temp dir when not distributed)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / name
+
+
+def _build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """Build `name` once per test run, whichever worker asks first; the others wait on the lock and
+    read what it recorded (`build` returns something JSON-serialisable, or None)."""
+    from filelock import FileLock
+
+    path = _shared_dir(tmp_path_factory, name)
+    done = path.with_suffix(".done.json")
+    with FileLock(str(path.with_suffix(".lock"))):
+        if not done.exists():
+            done.write_text(json.dumps(build(path)))
+    return path, json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from echo2swarm.models.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    def build(path: Path) -> None:
+        write_tiny_model(path, seed=0)
+
+    return _build_once(tmp_path_factory, "model-tiny", build)[0]
 
 
 @dataclass(frozen=True)
@@ -32,7 +59,8 @@ class WarmModel:
 def warm_model(tmp_path_factory: pytest.TempPathFactory) -> WarmModel:
     """The demo's starting model, built once a session as `echo2swarm demo` builds it: the tiny model
     after its supervised warm-up on arith until greedy accuracy 0.3 on train prompts (RL has something
-    to improve). Every test that trains from a warm model starts from this one; a test that runs the
+    to improve), built once a run (by whichever pytest-xdist worker asks first). Every test that trains
+    from a warm model starts from this one; a test that runs the
     demo copies it into the demo's run directory, where the demo finds it and skips its own warm-up.
     `warmup` is what the warm-up returned (recorded as write_tiny_model calls it)."""
     from echo2swarm.cli.demo_run import DEMO_TASKS
@@ -47,13 +75,16 @@ def warm_model(tmp_path_factory: pytest.TempPathFactory) -> WarmModel:
         results.append(real(*args, **kwargs))
         return results[-1]
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(warmup, "supervised_warmup", recorded)
-        path = write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith",
-                                warmup_steps=arith.warmup_steps, warmup_accuracy=arith.warmup_accuracy,
-                                task_options=arith.options)
-    (result,) = results
-    return WarmModel(path, result)
+    def build(path: Path) -> dict[str, Any]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(warmup, "supervised_warmup", recorded)
+            write_tiny_model(path, seed=0, task="arith", warmup_steps=arith.warmup_steps,
+                             warmup_accuracy=arith.warmup_accuracy, task_options=arith.options)
+        (result,) = results
+        return dataclasses.asdict(result)
+
+    path, result = _build_once(tmp_path_factory, "model-warm", build)
+    return WarmModel(path, warmup.WarmupResult(**result))
 
 
 @pytest.fixture(scope="session")
