@@ -210,7 +210,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     if not count or not _CPU_REPORT:
         return
     total = sum(cpu for cpu, _, _ in _CPU_REPORT)
-    terminalreporter.write_sep("=", f"most CPU: {count} of {len(_CPU_REPORT)} tests, {total:.0f} CPU s in all")
+    shown = min(count, len(_CPU_REPORT))
+    terminalreporter.write_sep("=", f"most CPU: {shown} of {len(_CPU_REPORT)} tests, {total:.0f} CPU s in all")
     for cpu, wall, nodeid in sorted(_CPU_REPORT, reverse=True)[:count]:
         terminalreporter.write_line(f"{cpu:8.1f} CPU s {wall:7.1f} s {cpu / max(wall, 1e-9):4.1f} cores  {nodeid}")
 
