@@ -14,9 +14,10 @@ from crafted ones, and what it costs, in one invocation.
 2. Crafted groups, one in a batch of honest ones, each from a new peer (no history), at k = 0
    (version v3) and k = 1 (v2): absurd logprobs, the right answer with constant logprobs, the right
    answer and random text with the policy's own true logprobs, one right answer injected in an
-   honest group. Printed: the share refused, and by which reason. Then the same crafted groups
-   from one peer, one per check, in order (history: a refusal makes its later groups checked
-   exactly).
+   honest group; each claims the lease's seeded sampler (the intake refuses groups that do not).
+   Printed: the share refused, and by which reason. Then the same crafted groups from one peer the
+   verifier already knows (its first `newcomer_groups` passed), one per check, in order (history: a
+   refusal makes its later groups checked exactly).
 3. Honest peers at scale (scripts/verify_attacks.py): per engine (`--engines`), ~`--honest-groups`
    seeded groups at T in {1.0, 0.7} x top_p in {1.0, 0.9} and staleness 0, 1, 2 from the demo's lr,
    every one checked under its own version: groups refused, peers banned by their sequential tests,
@@ -285,6 +286,9 @@ def crafted_groups(lab: Lab, version: int, rng: random.Random, n: int) -> dict[s
         groups.append(lab.group(pid, text, version, completions, [[0.0] * len(c) for c in completions],
                                 ["stop"] * g, "x"))
     kinds["random letters x G, true logprobs"] = true_logprobs(groups)
+    for crafted in kinds.values():  # each claims the lease's seeded sampler, as the intake requires
+        for g in crafted:
+            g.sampler, g.seed = SAMPLER, rng.getrandbits(62)
     return kinds
 
 
@@ -292,9 +296,10 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
     rng = random.Random(0)
     n = args.crafted
     print(f"\n== crafted groups at v3 (k=0) and v2 (k=1), engine {args.dtypes[0]}, {n} each, one per batch of "
-          f"{args.prompts_per_step} groups; default VerifyConfig (sample_fraction "
-          f"{lab.trainer.verify_config.sample_fraction:g})")
-    print(f"{'kind':<40} {'k=0 caught':>11} {'k=1 caught':>11} {'k=1, one peer':>14}  reasons")
+          f"{args.prompts_per_step} groups, each claiming the lease's seeded sampler; default VerifyConfig "
+          f"(sample_fraction {lab.trainer.verify_config.sample_fraction:g}, newcomer_groups "
+          f"{lab.trainer.verify_config.newcomer_groups})")
+    print(f"{'kind':<40} {'k=0 caught':>11} {'k=1 caught':>11} {'k=1, known peer':>16}  reasons")
     caught_all: dict[str, tuple[int, int]] = {}
     by_k = {k: crafted_groups(lab, 3 - k, rng, n) for k in (0, 1)}
     for kind in by_k[0]:
@@ -303,6 +308,8 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
             verifier = Verifier(lab.trainer.verify_config, temperature=lab.train.temperature, top_p=lab.train.top_p,
                                 weights_of=lab.weights_of, make_spare=lab.trainer._spare_model)
             honest = lab.pools[3 - k]  # type: ignore[attr-defined]
+            if history:
+                verifier._seen["crafter"] = lab.trainer.verify_config.newcomer_groups
             caught = 0
             for i, bad in enumerate(by_k[k][kind]):
                 bad.peer_id = "crafter" if history else f"crafter-{i}"
@@ -316,7 +323,7 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
             if not history:
                 prev = caught_all.get(kind, (0, 0))
                 caught_all[kind] = (prev[0] + caught, prev[1] + n)
-        print(f"{kind:<40} {cells[0]:>11} {cells[1]:>11} {cells[2]:>14}  {dict(reasons)}")
+        print(f"{kind:<40} {cells[0]:>11} {cells[1]:>11} {cells[2]:>16}  {dict(reasons)}")
     return caught_all
 
 
