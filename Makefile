@@ -35,8 +35,9 @@ system-deps:
 	    else echo "$$cmd missing: install it (apt-get install $$deb) for the tests that need it"; fi; }; \
 	done
 
+# --durations=25: CI prints the 25 slowest tests, so a test that grows slow shows up in the next run.
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest tests -q -m "not vllm"
+	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25
 
 install-vllm: $(VLLM_STAMP)
 

@@ -3,9 +3,11 @@
 
     python scripts/bench_engines.py [--engines transformers,vllm] [--seconds 20] [--publish-every 1]
                                     [--layout engine-core|one-core|in-thread]
+    python scripts/bench_engines.py --sampling-cost [--vocab-size 151936] [--hidden-size 128]
 
 1. Bare engines: each engine, in a process of its own, generates lease-sized batches (arith
-   prompts x group size, temperature 1) for --seconds: completion tokens/s.
+   prompts x group size, temperature 1, with the leases' seeded sampler unless --sampling
+   unseeded) for --seconds: completion tokens/s.
 2. The same engine inside a rollout peer: bootstrap + learner (GRPO, a signed version every
    --publish-every steps) + one rollout peer on 127.0.0.1. The peer's tokens/s is read from its
    own counters over --seconds, after a few leases of start-up; it includes leases, submits,
@@ -38,6 +40,13 @@ after the swarm run the bare engine runs once more paced like the peer: idle aft
 the share of the window the peer was told to wait (--no-paced skips it). A shared VM loses
 seconds to its neighbours: the hypervisor's "steal" on the engine's core is printed for every
 window; a window with much of it measured the host.
+
+--sampling-cost measures only what the leases' seeded sampler (docs/protocol.md §10.7) costs: per
+engine and round, the bare engine unseeded (its own generator), seeded, and unseeded again, one
+window each on the same core; it prints seeded / the mean of the two unseeded tokens/s (target
+>= 0.95). The noise is drawn per vocabulary entry, so --vocab-size widens the model's logits (the
+tokenizer keeps its 49 symbols; 151936 is Qwen3's) to see the cost where it is largest: a narrow
+model over a large vocabulary.
 
 Prints a table and, per engine, swarm / bare tokens/s (target >= 0.95), where the peer's seconds
 went (generating, starved for a lease, waiting for a version, round trips that overlapped), the
@@ -83,6 +92,7 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
     """Runs in its own process: the engine generates lease-sized batches for args.seconds."""
     from echo2swarm.rollout.engines import SamplingParams, make_engine
     from echo2swarm.tasks.registry import get_task
+    from echo2swarm.wire.sampling import SAMPLER
 
     started = time.perf_counter()
     engine = make_engine(kind, model_dir, threads=1, max_batch_sequences=args.prompts * args.group_size,
@@ -94,10 +104,13 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
 
     def batch(seed: int) -> tuple[int, int]:
         nonlocal cursor
-        prompts = [task.prompt(cursor + i).text for i in range(args.prompts)]
+        prompts = [task.prompt(cursor + i) for i in range(args.prompts)]
         cursor += args.prompts
-        groups = engine.generate(prompts, SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens,
-                                                          temperature=1.0, seed=seed))
+        seeded = args.sampling == "seeded"  # as a lease asks: a 62-bit seed, the prompts' ids
+        params = SamplingParams(n=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                seed=(2**61 + seed) if seeded else seed, sampler=SAMPLER if seeded else None,
+                                prompt_ids=tuple(p.prompt_id for p in prompts) if seeded else None)
+        groups = engine.generate([p.text for p in prompts], params)
         return sum(len(c.token_ids) for g in groups for c in g), sum(len(g) for g in groups)
 
     for seed in range(args.warmup_batches):
@@ -119,7 +132,7 @@ def bare(kind: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]
     seconds = time.perf_counter() - started
     stolen = steal_s(os.sched_getaffinity(0)) - stolen
     engine.close()
-    return {"engine": engine.name, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
+    return {"engine": engine.name, "sampling": args.sampling, "tokens_per_s": tokens / seconds, "rollouts_per_s": rollouts / seconds,
             "computing_tokens_per_s": tokens / max(computed, 1e-9), "idle_s": seconds - computed,
             "tokens_per_rollout": tokens / max(rollouts, 1),
             "batches": calls, "seconds": seconds, "build_s": build_s, "steal_s": stolen}
@@ -207,9 +220,9 @@ def steal_s(cores: set[int] | None) -> float:
 
 
 def run_bare(kind: str, model_dir: Path, args: argparse.Namespace, cpus: set[int] | None,
-             idle_share: float = 0.0) -> dict[str, Any]:
+             idle_share: float = 0.0, sampling: str | None = None) -> dict[str, Any]:
     command = [sys.executable, __file__, "--bare", kind, "--model", str(model_dir), *args.passthrough,
-               f"--idle-share={idle_share}"]
+               f"--idle-share={idle_share}", f"--sampling={sampling or args.sampling}"]
     with pinned(cpus):
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                                 env={**os.environ, **ENGINE_ENV}, stdin=subprocess.DEVNULL)
@@ -363,6 +376,50 @@ def run_swarm(kind: str, model_dir: Path, run_dir: Path, args: argparse.Namespac
                                                      "submit_rpc_s")}}
 
 
+def widen_vocabulary(model_dir: Path, vocab_size: int) -> None:
+    """Give the model `vocab_size` output logits (and input embeddings), as a checkpoint whose config's
+    vocab_size exceeds its tokenizer's; the new rows are initialised like the others."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.resize_token_embeddings(vocab_size, mean_resizing=False)
+    model.save_pretrained(model_dir)
+
+
+def sampling_cost(engines: list[str], model_dir: Path, params: int, args: argparse.Namespace,
+                  core: set[int] | None) -> None:
+    """Per engine and round: the bare engine unseeded, seeded, unseeded again; prints the ratio."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    ratios: dict[str, list[float]] = {kind: [] for kind in engines}
+    rows = []
+    for round_ in range(args.rounds):
+        for kind in engines:
+            runs = [run_bare(kind, model_dir, args, core, sampling=sampling)
+                    for sampling in ("unseeded", "seeded", "unseeded")]
+            unseeded = (runs[0]["tokens_per_s"] + runs[2]["tokens_per_s"]) / 2
+            ratios[kind].append(runs[1]["tokens_per_s"] / unseeded)
+            rows.append((round_ + 1, kind, runs, unseeded))
+    where = f"alone on core {sorted(core)[0]}" if core else "unpinned"
+    print(f"\nseeded sampling's cost: a Qwen3 of {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, "
+          f"{args.layers} layers, vocabulary {vocab}, float32), {args.prompts} arith prompts x {args.group_size} "
+          f"samples x <= {args.max_new_tokens} new tokens per batch, T=1, top_p=1; {args.seconds:.0f} s windows; "
+          f"{os.cpu_count()} CPU cores ({cpu_model()}), each engine {where}, 1 thread")
+    print(f"{'round':<7}{'engine':<14}{'unseeded tokens/s':>19}{'seeded tokens/s':>17}{'unseeded again':>16}"
+          f"{'seeded / unseeded':>19}{'tokens/rollout':>16}{'steal s':>16}")
+    for round_, kind, runs, unseeded in rows:
+        steal = ", ".join(f"{r['steal_s']:.1f}" for r in runs)
+        print(f"{round_:<7}{kind:<14}{runs[0]['tokens_per_s']:>19.0f}{runs[1]['tokens_per_s']:>17.0f}"
+              f"{runs[2]['tokens_per_s']:>16.0f}{runs[1]['tokens_per_s'] / unseeded:>19.3f}"
+              f"{runs[1]['tokens_per_rollout']:>16.1f}{steal:>16}")
+    print("(seeded / unseeded: the seeded run against the mean of the unseeded runs either side of it; unseeded: "
+          "the engine's own generator; steal s: the hypervisor's, per run)")
+    for kind in engines:
+        mean = sum(ratios[kind]) / len(ratios[kind])
+        print(f"{kind}: seeded / unseeded generation tokens/s, by round: {', '.join(f'{r:.3f}' for r in ratios[kind])}; "
+              f"mean {mean:.3f} (target >= 0.95)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", default=None,
@@ -393,6 +450,13 @@ def main() -> None:
                         "peer is compared with these runs), nothing, or both in turn (default)")
     parser.add_argument("--no-paced", action="store_true", help="skip the bare run paced like the peer (idle the "
                         "share of the window the learner left the peer idle)")
+    parser.add_argument("--sampling", choices=("seeded", "unseeded"), default="seeded",
+                        help="how the bare engine samples: with the leases' seeded sampler (what a rollout peer "
+                        "does), or with the engine's own generator")
+    parser.add_argument("--sampling-cost", action="store_true", help="only the bare engines, unseeded / seeded / "
+                        "unseeded per round: what the seeded sampler costs (no swarm)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="widen the model's logits to this many "
+                        "entries (default: the tiny tokenizer's 49; Qwen3: 151936)")
     parser.add_argument("--bare", help=argparse.SUPPRESS)
     parser.add_argument("--idle-share", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--learner-load", action="store_true", help=argparse.SUPPRESS)
@@ -422,8 +486,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-engines-") as tmp, pinned(split[0] if split else None):
         model_dir = write_tiny_model(Path(tmp) / "model", seed=0, hidden_size=args.hidden_size,
                                      num_layers=args.layers)
+        if args.vocab_size is not None:
+            widen_vocabulary(model_dir, args.vocab_size)
         params = sum(t.numel() for t in load_file(model_dir / "model.safetensors").values())
         engine_core, learner_core = (split[1], split[0]) if split else (None, None)
+        if args.sampling_cost:
+            sampling_cost(engines, model_dir, params, args, engine_core)
+            return
         besides = {"both": ["idle", "learner"], "learner": ["learner"], "idle": ["idle"]}[args.bare_beside]
         if learner_core is None:
             besides = ["idle"]

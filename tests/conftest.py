@@ -1,32 +1,95 @@
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
 
-from helpers.swarm import LocalSwarm  # noqa: E402
+from helpers.swarm import BootstrapPool, LocalSwarm, log_digest  # noqa: E402
 
 LOG_TAIL_LINES = 60
+
+
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A directory every pytest-xdist worker of this run sees (the workers' common temp root; the
+    session's own temp dir when not distributed)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return root / name
+
+
+def _build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> tuple[Path, Any]:
+    """Build `name` once per test run, whichever worker asks first; the others wait on the lock and
+    read what it recorded (`build` returns something JSON-serialisable, or None)."""
+    from filelock import FileLock
+
+    path = _shared_dir(tmp_path_factory, name)
+    done = path.with_suffix(".done.json")
+    with FileLock(str(path.with_suffix(".lock"))):
+        if not done.exists():
+            done.write_text(json.dumps(build(path)))
+    return path, json.loads(done.read_text())
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from echo2swarm.models.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    def build(path: Path) -> None:
+        write_tiny_model(path, seed=0)
+
+    return _build_once(tmp_path_factory, "model-tiny", build)[0]
+
+
+@dataclass(frozen=True)
+class WarmModel:
+    path: Path
+    warmup: Any  # echo2swarm.models.warmup.WarmupResult: the steps it ran, its last greedy accuracy on train prompts
 
 
 @pytest.fixture(scope="session")
-def warm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model after a short supervised warm-up on arith: RL has something to improve."""
+def warm_model(tmp_path_factory: pytest.TempPathFactory) -> WarmModel:
+    """The demo's starting model, built once a session as `echo2swarm demo` builds it: the tiny model
+    after its supervised warm-up on arith until greedy accuracy 0.3 on train prompts (RL has something
+    to improve), built once a run (by whichever pytest-xdist worker asks first). Every test that trains
+    from a warm model starts from this one; a test that runs the
+    demo copies it into the demo's run directory, where the demo finds it and skips its own warm-up.
+    `warmup` is what the warm-up returned (recorded as write_tiny_model calls it)."""
+    from echo2swarm.cli.demo_run import DEMO_TASKS
+    from echo2swarm.models import warmup
     from echo2swarm.models.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "warm", seed=0, task="arith",
-                            warmup_steps=3000, warmup_accuracy=0.3)
+    arith = DEMO_TASKS["arith"]
+    results = []
+    real = warmup.supervised_warmup
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    def build(path: Path) -> dict[str, Any]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(warmup, "supervised_warmup", recorded)
+            write_tiny_model(path, seed=0, task="arith", warmup_steps=arith.warmup_steps,
+                             warmup_accuracy=arith.warmup_accuracy, task_options=arith.options)
+        (result,) = results
+        return dataclasses.asdict(result)
+
+    path, result = _build_once(tmp_path_factory, "model-warm", build)
+    return WarmModel(path, warmup.WarmupResult(**result))
+
+
+@pytest.fixture(scope="session")
+def warm_model_dir(warm_model: WarmModel) -> Path:
+    return warm_model.path
 
 
 @pytest.fixture
@@ -38,22 +101,90 @@ def policy_key(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def bootstrap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootstrapPool]:
+    """Bootstraps started a test ahead (helpers/swarm.py `BootstrapPool`): `LocalSwarm.bootstrap()` takes one."""
+    pool = BootstrapPool(tmp_path_factory.mktemp("bootstraps"))
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture
-def local_swarm(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8))
+def local_swarm(tmp_path: Path, request: pytest.FixtureRequest, bootstrap_pool: BootstrapPool) -> Iterator[LocalSwarm]:
+    """A swarm of this test's own: for a test that kills, restarts or poisons daemons, or that counts
+    exactly who is in the swarm."""
+    swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8), pool=bootstrap_pool)
     try:
         yield swarm
     finally:
         swarm.close()
 
 
+@pytest.fixture(scope="module")
+def module_swarm(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+                 bootstrap_pool: BootstrapPool) -> Iterator[LocalSwarm]:
+    """A swarm shared by the tests of one module, ended after its last test: each daemon start costs
+    seconds of CPU (torch, hivemind, p2pd), so daemons that several tests only read start once.
+
+    A module builds on it in a module-scoped fixture of its own, which starts the shared daemons
+    (usually `module_swarm.bootstrap()`, a learner and its followers) and returns them; a test that
+    adds daemons of its own starts them through `module_swarm.joined(tmp_path / "swarm")` and closes
+    that view when done (the `joined_swarm` fixture does both). Tests on a shared swarm must leave it
+    as they found it for the next: no killed, stopped or restarted shared daemon, no record that
+    outlives the test and changes what the others assert. tests/swarm/test_hostile.py shows the use.
+    """
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    swarm = LocalSwarm(tmp_path_factory.mktemp("swarm-" + name), swarm="m" + str(abs(hash(name)) % 10**8),
+                       pool=bootstrap_pool)
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture
+def joined_swarm(module_swarm: LocalSwarm, tmp_path: Path) -> Iterator[LocalSwarm]:
+    """This test's view on the module's shared swarm: daemons started through it end with the test."""
+    view = module_swarm.joined(tmp_path / "swarm")
+    try:
+        yield view
+    finally:
+        view.close()
+
+
+@pytest.fixture(scope="module")
+def module_policy_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The policy key of a module's shared learner."""
+    from echo2swarm.wire.signing import PolicyKey
+
+    path = tmp_path_factory.mktemp("key") / "learner.key"
+    PolicyKey.generate().save(path)
+    return path
+
+
+def _swarms(value: Any) -> list[LocalSwarm]:
+    """The swarms a fixture value holds: itself, or those among its attributes or items (a module's
+    fixture may return a tuple or an object holding its shared swarm)."""
+    if isinstance(value, LocalSwarm):
+        return [value]
+    members = value if isinstance(value, (tuple, list)) else list(getattr(value, "__dict__", {}).values())
+    return [m for m in members if isinstance(m, LocalSwarm)]
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
-    """A swarm test that fails shows the end of each of its daemons' logs in its report: CI keeps
-    no files, and a failure that shows up once in twenty runs must be readable from that one run."""
+    """A swarm test that fails shows the end of each of its daemons' logs in its report, those of a
+    shared swarm included: CI keeps no files, and a failure that shows up once in twenty runs must be
+    readable from that one run."""
     report: pytest.TestReport = yield
-    swarm = getattr(item, "funcargs", {}).get("local_swarm")
-    if report.when == "call" and report.failed and isinstance(swarm, LocalSwarm):
-        for name, tail in swarm.log_tails(LOG_TAIL_LINES):
-            report.sections.append((f"daemon log: {name}", tail))
+    if report.when == "call" and report.failed:
+        seen: set[int] = set()
+        for value in getattr(item, "funcargs", {}).values():
+            for swarm in _swarms(value):
+                for daemon in swarm.all_daemons():
+                    if id(daemon) not in seen:
+                        seen.add(id(daemon))
+                        report.sections.append((f"daemon log: {daemon.name}", log_digest(daemon, LOG_TAIL_LINES)))
     return report

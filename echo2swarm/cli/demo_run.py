@@ -93,17 +93,8 @@ def _learner_toml(opts: DemoOptions, model_dir: Path, key_path: Path) -> Path:
         f"prompts_per_step = {opts.prompts_per_step}\ngroup_size = {opts.group_size}\n"
         f"max_new_tokens = {DEMO_TASKS[opts.task].max_new_tokens}\nlr = {DEMO_TASKS[opts.task].lr}\nthreads = {opts.threads}\ncheckpoint_every = 50\n{target}"
         '[leases]\nmax_prompts = 8\ntimeout_s = 20.0\n'
-        + ("[verify]\nrequire_seeded = false\n" if _may_run_vllm(opts.engine) else "")
     )
     return path
-
-
-def _may_run_vllm(engine: str) -> bool:
-    """Whether the rollout peers may run vLLM, which does not implement the seeded sampler yet (issue 33):
-    its peers sample with their own generator, which a learner requiring seeded sampling refuses."""
-    from echo2swarm.rollout.engines import vllm_installed
-
-    return engine == "vllm" or (engine == "auto" and vllm_installed())
 
 
 def _score(model_dir: Path, task: str) -> float:

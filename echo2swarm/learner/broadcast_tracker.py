@@ -15,9 +15,15 @@ the others are counted (`unreported`). One whose card says it is fetching v (or 
 for up to REPORT_WAIT_MAX_S. A version about to leave the KEEP_PLANS window is settled the same way.
 
 Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_cards` cards, and a
-plan puts the followers seen doing work here (leases, submissions) first, in the order of their
-uplinks (`planned_upload`: measured, within the cap; self-reported like every card field), and at most MAX_UNPROVEN others after them, at the tail of every chain, where
-a card that leads nowhere (anyone can sign cards with fresh keys) holds up no proven peer.
+plan puts the followers seen doing work (groups the intake accepted from them) first, in the order
+of their uplinks (`planned_upload`: measured, within the cap; self-reported like every card field),
+and at most MAX_UNPROVEN others after them, towards the tail of every chain, where a card that leads
+nowhere (anyone can sign cards with fresh keys) holds up no proven peer.
+
+The evidence is published too: every refresh, the peers whose delivered groups grew are noted with
+the overlay (`saw_work`), which reads their cards by their own keys first; every announce period
+the overlay's roster of them is signed and stored (overlay/roster.py), less the banned peers, so
+followers and `echo2swarm peers` read those cards first however many others the DHT holds.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
@@ -53,8 +59,11 @@ def planned_upload(card: PeerCard) -> int | None:
 
 class BroadcastTracker:
     def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float, ewma_alpha: float,
-                 clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: ()):
+                 clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: (),
+                 delivered: Callable[[], Mapping[str, int]] = dict):
         self.overlay = overlay
+        self.delivered = delivered  # groups accepted per peer so far (the intake's tally): evidence of work
+        self._delivered_seen: dict[str, int] = {}
         self.ewma_alpha = ewma_alpha  # activation.ewma_alpha: the weight of the newest version's T_bcast
         self.excluded = excluded  # peers never planned as receivers or parents (the learner banned them)
         self.key = key
@@ -81,7 +90,8 @@ class BroadcastTracker:
         undialable = {c.peer_id for c in self.cards if c.reachability == "private"}  # NAT'd, no relay slot yet
         receivers = [r for r in self.receivers() if r[0] not in undialable]
         plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds,
-                         nat=nat_peers(self.cards))  # direct edges first; relayed ones load their relay too
+                         nat=nat_peers(self.cards),  # direct edges first; relayed ones load their relay too
+                         proven=self._proven())  # peers seen working ahead of the rest, whatever they claim
         data = plan.to_bytes()
         self.plans[version] = data
         self._receivers[version] = {peer for peer, _ in receivers}
@@ -96,18 +106,30 @@ class BroadcastTracker:
             self._published.pop(oldest, None)
         return data
 
-    def receivers(self) -> list[tuple[str, int | None]]:
-        """(peer id, upload bytes/s) to plan over: proven followers with their uplinks (`planned_upload`),
-        then a few others as the slowest."""
+    def _proven(self) -> set[str]:
         worked_fn = getattr(self.overlay, "worked", None)  # overlays without work tracking (test doubles): none proven
-        worked = worked_fn() if worked_fn is not None else set()
+        return set(worked_fn()) if worked_fn is not None else set()
+
+    def receivers(self) -> list[tuple[str, int | None]]:
+        """(peer id, upload bytes/s) to plan over, with their uplinks (`planned_upload`): the followers seen
+        working, then at most MAX_UNPROVEN others (newest cards first); `plan` ranks the latter after the former."""
+        worked = self._proven()
         followers = self.followers()
-        proven = [(c.peer_id, planned_upload(c)) for c in followers if c.peer_id in worked]
+        proven = [c for c in followers if c.peer_id in worked]
         others = sorted((c for c in followers if c.peer_id not in worked), key=lambda c: -c.updated_ms)[:MAX_UNPROVEN]
-        if not proven:  # nobody to protect: the others keep their uplinks
-            return [(c.peer_id, planned_upload(c)) for c in others]
-        # A cap of 0 sorts after every proven peer (plan_chains orders uncapped, then fastest first).
-        return proven + [(c.peer_id, 0) for c in others]
+        return [(c.peer_id, planned_upload(c)) for c in proven + others]
+
+    def note_deliveries(self) -> None:
+        """Tell the overlay which peers delivered groups since the last look (evidence of work)."""
+        for peer, groups in list(self.delivered().items()):
+            if groups > self._delivered_seen.get(peer, 0):
+                self._delivered_seen[peer] = groups
+                self.overlay.saw_work(peer, "delivered")
+
+    async def publish_roster(self) -> None:
+        """Sign and store the overlay's roster of the peers seen working, less the ones we banned."""
+        roster = await self.overlay.store_roster(exclude=set(self.excluded()))
+        logger.debug("roster of %d peers seen working stored", len(roster.peers))
 
     def get_plan(self, version: int) -> bytes | None:
         return self.plans.get(version)
@@ -178,14 +200,29 @@ class BroadcastTracker:
         logger.debug("T_bcast(v%d) = %.2f s over %d peers", version, worst, len(reported))
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                cards, _ = await self.overlay.get_cards()
-                self.observe(cards)
-            except Exception as e:  # the DHT may hiccup; the next refresh tries again
-                logger.debug("card refresh failed: %s", e)
-            try:
-                await asyncio.wait_for(stop.wait(), max(0.05, self.refresh_s - (time.monotonic() - started)))
-            except asyncio.TimeoutError:
-                pass
+        roster_due, roster = float("-inf"), None
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                self.note_deliveries()
+                if started >= roster_due and (roster is None or roster.done()):  # beside the refreshes, not in their way
+                    roster_due = started + self.overlay.config.announce_period_s
+                    roster = asyncio.create_task(self.publish_roster())
+                    roster.add_done_callback(_log_failure)
+                try:
+                    cards, _ = await self.overlay.get_cards()
+                    self.observe(cards)
+                except Exception as e:  # the DHT may hiccup; the next refresh tries again
+                    logger.debug("card refresh failed: %s", e)
+                try:
+                    await asyncio.wait_for(stop.wait(), max(0.05, self.refresh_s - (time.monotonic() - started)))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if roster is not None:
+                roster.cancel()
+
+
+def _log_failure(task: "asyncio.Task[None]") -> None:
+    if not task.cancelled() and task.exception() is not None:  # the DHT may hiccup; the next period tries again
+        logger.debug("roster publication failed: %s", task.exception())

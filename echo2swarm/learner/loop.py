@@ -78,7 +78,8 @@ class Learner:
         self.statistics = PeerStatistics(config.verify, max_peers=config.peers.max_tracked_peers)
         refresh_s = config.publish.cards_refresh_s or min(2.0, config.overlay.announce_period_s / 2)
         self.broadcast = BroadcastTracker(overlay, self.key, config.publish.seeds, refresh_s=refresh_s,
-                                          ewma_alpha=config.activation.ewma_alpha, excluded=lambda: self.ledger.bans.keys())
+                                          ewma_alpha=config.activation.ewma_alpha, excluded=lambda: self.ledger.bans.keys(),
+                                          delivered=lambda: self.intake.delivered if self.intake else {})  # roster
         # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
         self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
         self.run_dir = Path(self.train.run_dir or Path(config.state_dir) / "run")

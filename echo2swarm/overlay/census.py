@@ -11,14 +11,21 @@ _ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
 
 
 async def census(overlay: Overlay) -> dict[str, Any]:
-    """Peers and heads; during a card flood the cards of head publishers (learners) are kept first."""
+    """Peers and heads. However many cards the DHT holds, the publishers of signed heads (learners) and
+    the peers their rosters say they saw working are read first, by their own keys (overlay/cards.py),
+    and listed first within their role; `work` says what each was seen doing."""
     heads, bad_heads = await overlay.get_heads()
     dropped_before = overlay.cards_dropped
-    cards, bad_cards = await overlay.get_cards(prefer=[h.publisher for h in heads if h.signature_ok()])
+    signed = sorted((h for h in heads if h.signature_ok()), key=lambda h: -h.version)
+    publishers = list(dict.fromkeys(h.publisher for h in signed))  # newest version first: its roster is read first
+    cards, bad_cards = await overlay.get_cards(prefer=publishers)
     now_ms = time.time() * 1000
+    work: dict[str, set[str]] = {p: {"published"} for p in publishers}
+    for roster in overlay.cards.rosters.values():
+        for entry in roster.peers:
+            work.setdefault(entry.peer_id, set()).update(entry.work)
     # Bans are the learner's word: only cards of a peer publishing a correctly signed head count (its
     # card is signed by its own key, so nobody else can put bans on it).
-    publishers = {h.publisher for h in heads if h.signature_ok()}
     banned = {b.peer_id: b.reason for c in cards if c.peer_id in publishers for b in c.bans}
     peers = [
         {
@@ -47,10 +54,12 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             "reachability": c.reachability,  # public / relayed / private / unknown (overlay/reachability.py)
             "maddrs": c.maddrs,
             "banned": banned.get(c.peer_id),  # why the learner banned this peer for the run, else None
+            # seen doing work: "published" (signed heads), "delivered" / "served" (a publisher's roster)
+            "work": sorted(work.get(c.peer_id, ())),
         }
         for c in cards
     ]
-    peers.sort(key=lambda p: (_ROLE_ORDER.get(p["role"], 9), p["peer_id"]))
+    peers.sort(key=lambda p: (_ROLE_ORDER.get(p["role"], 9), not p["work"], p["peer_id"]))
     return {
         "swarm": overlay.config.swarm,
         "peers": peers,

@@ -11,10 +11,12 @@ Ed25519 key is generated per start, handed to p2pd through a 0600 temporary file
 dir that is deleted as soon as p2pd has read it: a fresh peer id per start, as before, and no
 key left on disk.
 
-Reading cards is bounded whatever the DHT holds (anyone can make keys and sign cards with them):
-`get_cards` returns at most `max_cards`, preferring peers the caller names, then peers seen doing
-work here (an RPC call this node answered, authenticated by libp2p), then peers returned by the
-previous reads, then the newest `updated_ms`.
+Cards: each announcement stores our card twice, under the swarm's shared key and under a key of
+its own, so a reader can fetch it by name however many cards the shared key holds. Reading is
+bounded whatever the DHT holds (anyone can make keys and sign cards with them): `get_cards`
+(overlay/cards.py) returns at most `max_cards`, the peers the caller names, the peers seen doing
+work here and those on the rosters of the named peers first (overlay/roster.py), by their own keys.
+What the node keeps for others is bounded per key (overlay/storage.py).
 
 We do not use the forked `hivemind.DHT` wrapper: it crashes on values over 64 KiB and orphans its
 child on SIGKILL. p2pd is started with PR_SET_PDEATHSIG so it dies with us even on `kill -9`.
@@ -25,31 +27,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import heapq
 import os
 import signal
 import socket
 import sys
 import tempfile
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.dht_keys import head_key, peers_key
 from echo2swarm.overlay import rpc
 from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of
+from echo2swarm.overlay.cards import CardReader
+from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_key
+from echo2swarm.overlay.roster import ASKED, WorkLog, signed_roster
+from echo2swarm.overlay.storage import BoundedStorage
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
-from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, parse_head
+from echo2swarm.wire.records import MAX_RECORD_BYTES, HeadRecord, PeerCard, RecordError, RosterRecord, parse_head
 
 logger = get_logger(__name__)
 
@@ -224,14 +228,10 @@ class Overlay:
         self.peer_id = p2p.peer_id.to_base58()
         self.chunk_url: str | None = None
         self.maddrs: list[str] = []
-        # peer id -> monotonic time last seen: doing work (an RPC we answered) / returned by get_cards
-        self._worked: OrderedDict[str, float] = OrderedDict()
-        self._recent: OrderedDict[str, float] = OrderedDict()
-        self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
-        self._maddrs: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer id -> its newest card's maddrs
-        self._reach: OrderedDict[str, str | None] = OrderedDict()  # peer id -> its newest card's reachability
-        self._flood_logged = float("-inf")
-        rpc.observe_callers(p2p, self.saw_work)
+        # Peers seen doing work here (evidence only), and apart, peers that only asked for work (an RPC we answered)
+        self.work = WorkLog(4 * config.max_cards, 3 * config.record_ttl_s)
+        self.cards = CardReader(config, node, validator, self.work)
+        rpc.observe_callers(p2p, lambda peer: self.work.saw(peer, ASKED))
 
     @classmethod
     async def start(
@@ -303,6 +303,10 @@ class Overlay:
                 ),
                 config.bootstrap_timeout_s,
             )
+            # What we keep for others, bounded per dictionary (overlay/storage.py); hivemind has no parameter for it.
+            shared = {DHTID.generate(source=k) for k in (peers_key(config.swarm), head_key(config.swarm))}
+            node.protocol.storage = BoundedStorage.replacing(node.protocol.storage, shared)
+            node.protocol.cache = BoundedStorage.replacing(node.protocol.cache, shared)
         except Exception as e:  # any failure to start must free p2pd before reporting
             if p2p is not None:
                 await _quiet_shutdown(p2p)
@@ -324,20 +328,19 @@ class Overlay:
         """Where others reach us (chunk URL, multiaddrs); the learner's signed heads carry it."""
         self.chunk_url, self.maddrs = chunk_url, list(maddrs)[:8]
 
-    def saw_work(self, peer_id: str) -> None:
-        """`peer_id` did work with us (answered RPC): its card is kept first when cards must be dropped."""
-        self._touch(self._worked, peer_id)
+    def saw_work(self, peer_id: str, kind: str) -> None:
+        """`peer_id` did work this node can vouch for (`kind`: "delivered" groups, "served" verified chunks):
+        its card is read first, by its own key, and our roster (if we publish one) lists it."""
+        self.work.saw(peer_id, kind)
 
     def worked(self) -> set[str]:
-        """Peers seen doing work here lately (RPCs this node answered; libp2p authenticated them)."""
-        return set(self._worked)
+        """Peers seen doing work here lately (never for asking: anyone can ask)."""
+        return set(self.work.worked())
 
-    def _touch(self, seen: OrderedDict[str, float], peer_id: str) -> None:
-        seen[peer_id] = time.monotonic()
-        seen.move_to_end(peer_id)
-        horizon = time.monotonic() - 3 * self.config.record_ttl_s
-        while seen and (len(seen) > 4 * self.config.max_cards or next(iter(seen.values())) < horizon):
-            seen.popitem(last=False)
+    @property
+    def cards_dropped(self) -> int:
+        """Valid cards left out by the max_cards bound, over all reads."""
+        return self.cards.cards_dropped
 
     async def listen_maddrs(self) -> list[str]:
         """p2pd's current addresses, asked afresh (a relay slot adds a /p2p-circuit one after start)."""
@@ -354,15 +357,15 @@ class Overlay:
 
     def known_maddrs(self, peer_id: str) -> list[str]:
         """The multiaddrs of `peer_id`'s newest card we read (a relay address may have appeared since)."""
-        return list(self._maddrs.get(peer_id, ()))
+        return list(self.cards.maddrs.get(peer_id, ()))
 
     def public_peers(self) -> list[str]:
         """Peers whose newest card we read says they are publicly reachable (dial-back probe targets)."""
-        return [p for p, state in self._reach.items() if state == "public"]
+        return [p for p, state in self.cards.reach.items() if state == "public"]
 
     def nat_peers(self) -> dict[str, str]:
         """Peers whose newest card we read says they are behind NAT: peer id -> relayed | private."""
-        return {p: state for p, state in self._reach.items() if state in ("relayed", "private")}
+        return {p: state for p, state in self.cards.reach.items() if state in ("relayed", "private")}
 
     async def visible_maddrs(self) -> list[str]:
         """Our listen addresses: p2pd's, less the NAT mappings peers observed for us (behind NAT, once four
@@ -374,14 +377,37 @@ class Overlay:
         announced = set(self.config.announce_maddrs)
         return [m for m in addrs if m in announced or classify(m) == "circuit" or _is_local(ip_of(m))]
 
-    async def _store(self, key: str, subkey: str, value: dict[str, Any], ttl: float) -> bool:
-        return bool(await self.node.store(key, value, dht_time() + ttl, subkey=subkey))
-
     async def store_card(self, card: PeerCard, ttl: float | None = None) -> bool:
-        """Sign `card` (ours) with our libp2p key, alive `ttl` seconds, and store it."""
+        """Sign `card` (ours) with our libp2p key, alive `ttl` seconds, and store it under the shared key and
+        under its own; True if any DHT node took it."""
         ttl = ttl or self.config.record_ttl_s
-        signed = card.signed(self.key, self.config.swarm, ttl)
-        return await self._store(peers_key(self.config.swarm), card.peer_id, signed.model_dump(mode="json"), ttl)
+        value = card.signed(self.key, self.config.swarm, ttl).model_dump(mode="json")
+        expires, swarm = dht_time() + ttl, self.config.swarm
+        own = bool(await self.node.store(card_key(swarm, card.peer_id), value, expires, subkey=card.peer_id))
+        return await self._store_nearby(peers_key(swarm), card.peer_id, value, expires) or own
+
+    async def _store_nearby(self, key: str, subkey: str, value: dict[str, Any], expires: float) -> bool:
+        """Store at the nodes nearest `key` that our routing table knows (and here, if we are one), without
+        the lookup `DHTNode.store` makes first: a lookup reads the key's value, up to megabytes for the
+        shared peers key under a flood, at every announcement of every peer."""
+        node = self.node
+        key_id = DHTID.generate(source=key)
+        data = MSGPackSerializer.dumps(value)
+        known = dict(node.protocol.routing_table.get_nearest_neighbors(key_id, node.num_replicas, exclude=node.node_id))
+        targets = sorted([*known, node.node_id], key=key_id.xor_distance)[: node.num_replicas]
+        here = node.node_id in targets and node.protocol.storage.store(key_id, data, expires, subkey=subkey)
+        replies = await asyncio.gather(*(node.protocol.call_store(known[n], [key_id], [data], expires, subkeys=[subkey])
+                                         for n in targets if n != node.node_id))
+        return bool(here) or any(reply and reply[0] for reply in replies)
+
+    async def store_roster(self, exclude: Collection[str] = (), ttl: float | None = None) -> RosterRecord:
+        """Sign the peers seen doing work here (less `exclude`) as our roster, alive `ttl` seconds, and store it."""
+        ttl = ttl or self.config.record_ttl_s
+        roster = signed_roster(self.key, self.config.swarm, self.work.entries(exclude), ttl)
+        if not await self.node.store(roster_key(self.config.swarm, self.peer_id), roster.model_dump(mode="json"),
+                                     dht_time() + ttl, subkey=self.peer_id):
+            logger.debug("no DHT node took our roster of %d peers", len(roster.peers))
+        return roster
 
     async def store_head(self, head: HeadRecord) -> bool:
         """Stored until the head's own signed expiry, which every node enforces."""
@@ -389,77 +415,19 @@ class Overlay:
             head_key(self.config.swarm), head.model_dump(mode="json"), head.expires_ms / 1000, subkey=head.public_key
         ))
 
-    async def _get_dict(self, key: str) -> list[tuple[str, Any, float]]:
-        found = await self.node.get(key, latest=True)
-        if found is None or not hasattr(found.value, "items"):
-            return []
-        now = dht_time()
-        out = []
-        for subkey, item in found.value.items():
-            value, expiration = item.value, item.expiration_time
-            if expiration > now:
-                out.append((subkey, value, expiration))
-        return out
-
     async def get_cards(
         self, prefer: Collection[str] = (), limit: int | None = None
     ) -> tuple[list[PeerCard], int]:
         """Live, signed peer cards of the swarm (at most `limit`, default max_cards), and how many were refused.
 
-        Ranked before anything is parsed, so the cost is bounded whatever the DHT returns: peers
-        in `prefer`, then peers seen doing work, then peers returned before, then newest
-        `updated_ms` (a date ahead of our clock counts as now).
+        Peers in `prefer` (and on their rosters), then peers seen doing work here, come first, read by
+        their own keys when the shared key did not return them (overlay/cards.py).
         """
-        limit = self.config.max_cards if limit is None else limit
-        entries = await self._get_dict(peers_key(self.config.swarm))
-        now_ms = int(time.time() * 1000)
-        prefer = set(prefer)
-
-        def rank(entry: tuple[Any, Any, float]) -> tuple[bool, bool, int]:
-            subkey, value, _ = entry
-            if not isinstance(subkey, str):
-                return (False, False, -2)
-            updated = value.get("updated_ms") if isinstance(value, dict) else None
-            updated = min(updated, now_ms) if type(updated) is int else -1
-            return (subkey in prefer or subkey in self._worked, subkey in self._recent, updated)
-
-        # Up to 2x the limit are parsed, so a few bad records at the top cannot crowd out good ones.
-        ranked = heapq.nlargest(2 * limit, entries, key=rank) if len(entries) > limit else sorted(entries, key=rank, reverse=True)
-        cards: list[PeerCard] = []
-        bad = 0
-        for subkey, value, expiration in ranked:
-            if len(cards) >= limit:
-                break
-            try:
-                if not isinstance(subkey, str):
-                    raise RecordError("card under a non-string subkey")
-                card = self.validator.card(subkey, value, MSGPackSerializer.dumps(value))
-                card.check_times(expiration)
-                cards.append(card)
-            except RecordError as e:
-                bad += 1
-                logger.debug("ignoring peer record %s: %s", str(subkey)[:16], e)
-        if len(entries) > limit:
-            dropped = len(entries) - bad - len(cards)
-            self.cards_dropped += dropped
-            if time.monotonic() - self._flood_logged >= 60.0:  # once a minute: a flood must not flood the log
-                self._flood_logged = time.monotonic()
-                logger.warning("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d",
-                               len(entries), len(cards), dropped)
-        for card in cards:
-            self._touch(self._recent, card.peer_id)
-            self._maddrs[card.peer_id] = tuple(card.maddrs)
-            self._maddrs.move_to_end(card.peer_id)
-            self._reach[card.peer_id] = card.reachability
-            self._reach.move_to_end(card.peer_id)
-        for memory in (self._maddrs, self._reach):
-            while len(memory) > 4 * self.config.max_cards:
-                memory.popitem(last=False)
-        return cards, bad
+        return await self.cards.read(prefer, self.config.max_cards if limit is None else limit)
 
     async def get_heads(self) -> tuple[list[HeadRecord], int]:
         heads, bad = [], 0
-        for subkey, value, _ in await self._get_dict(head_key(self.config.swarm)):
+        for subkey, value, _ in await self.cards.get_dict(head_key(self.config.swarm)):
             try:
                 head = parse_head(value)
                 if head.public_key != subkey:

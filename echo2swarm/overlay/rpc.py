@@ -74,8 +74,9 @@ def decode(wrapper: BytesValue, model: type[M]) -> M:
         raise RpcError(f"invalid {model.__name__}: {schema_error(e)}") from None
 
 
-# Who answered RPCs count as peers "seen doing work" (Overlay.saw_work): libp2p authenticated
-# their peer id, which a DHT record's author never is.
+# Callers of answered RPCs are noted as peers that asked for work (overlay/roster.py "asked"): libp2p
+# authenticated their peer id, so their cards are worth reading by name, but asking is not working
+# (a fresh key is answered too, if only "wait"), so it never makes them "seen doing work".
 _CALLER_OBSERVERS: "weakref.WeakKeyDictionary[P2P, Callable[[str], None]]" = weakref.WeakKeyDictionary()
 
 

@@ -18,7 +18,9 @@ A `private` peer (no relay slot yet) is nobody's parent: nobody can reach it.
 
 Chains are ordered by advertised upload bandwidth, fastest first: every peer but the last uploads
 the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers without a
-cap (`upload_bps` null) count as fastest. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
+cap (`upload_bps` null) count as fastest. Uplinks are claims, and identities are free: given the
+peers the learner saw doing work (`proven`), every other peer comes after them (within its NAT
+tier), so no fresh key claiming an uncapped uplink heads a chain ahead of a delivering peer. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
 which keeps it far below MAX_PLAN_BYTES; the rest fetch from holders. The plan is a hint, signed by the policy key so that nobody
 else can steer the swarm's traffic; fetchers keep asking a parent that has not begun the version yet
 (`fetcher.ParentPatience`, up to fetch.source_wait_s: it saw the head a moment after its child), fall
@@ -123,8 +125,10 @@ def relay_load(chains: Sequence[Sequence[str]], nat: Mapping[str, NatPeer]) -> d
 
 
 def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
-                undialable: Collection[str] = (), nat: Mapping[str, NatPeer] | None = None) -> list[list[str]]:
-    """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most.
+                undialable: Collection[str] = (), nat: Mapping[str, NatPeer] | None = None,
+                proven: Collection[str] | None = None) -> list[list[str]]:
+    """Stripe chains over `receivers` (peer id, upload bytes/s or None), `seeds` heads at most;
+    with `proven`, the receivers not in it after those in it (same NAT tier), each group by uplink.
 
     Every peer of a chain but the last is its successor's parent, and a parent must be dialable: a
     peer in `undialable` (behind NAT without a relay slot yet: its card says `private`) is
@@ -135,12 +139,16 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
     [['c', 'b', 'a'], ['b', 'c', 'a']]
     >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2, undialable={"c"})
     [['b', 'a']]
+    >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2, proven={"a"})
+    [['a', 'c', 'b'], ['c', 'a', 'b']]
     """
     nat = dict(nat or {})
     undialable = set(undialable) | {p for p, n in nat.items() if not n.relays and not n.holepunch}
     receivers = [r for r in receivers if r[0] not in undialable]
     # Public peers, then NAT'd peers that hole-punch, then the rest: the relayed edges come last.
     tier = {p: 0 if p not in nat else 1 if nat[p].holepunch else 2 for p, _ in receivers}
+    if proven is not None:  # within a NAT tier, the peers seen working first
+        tier = {p: 2 * t + (p not in proven) for p, t in tier.items()}
     chains = _chains(receivers, seeds, tier, {})
     if nat and chains:  # rank again with each uplink shared among what it relays under the first plan
         load = relay_load(chains, nat)
@@ -169,11 +177,11 @@ def _chains(receivers: Sequence[tuple[str, int | None]], seeds: int, tier: Mappi
 def make_plan(
     key: PolicyKey, swarm: str, version: int, publisher: str,
     receivers: Sequence[tuple[str, int | None]], seeds: int, undialable: Collection[str] = (),
-    nat: Mapping[str, NatPeer] | None = None,
+    nat: Mapping[str, NatPeer] | None = None, proven: Collection[str] | None = None,
 ) -> BroadcastPlan:
     plan = BroadcastPlan(
-        swarm=swarm, version=version, publisher=publisher, stripes=plan_chains(receivers, seeds, undialable, nat),
-        public_key=key.public.text,
+        swarm=swarm, version=version, publisher=publisher,
+        stripes=plan_chains(receivers, seeds, undialable, nat, proven), public_key=key.public.text,
     )
     return plan.model_copy(update={"signature": key.sign(DOMAIN_PLAN, plan._payload()).hex()})
 

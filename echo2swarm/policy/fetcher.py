@@ -200,11 +200,14 @@ class PolicyFetcher:
     """Fetch and verify one version at a time into a ChunkStore. `stats` counts every outcome.
 
     `bans` (made here unless given) outlives every version fetch: keep one fetcher per follower.
+    `served(peer_id)` is told of every peer a verified chunk came from (the overlay's evidence of work).
     """
 
-    def __init__(self, config: FetchConfig, chunks: ChunkStore, bans: SourceBans | None = None):
+    def __init__(self, config: FetchConfig, chunks: ChunkStore, bans: SourceBans | None = None,
+                 served: Callable[[str], None] = lambda peer_id: None):
         self.config = config
         self.chunks = chunks
+        self.served = served
         self.stats: Counter[str] = Counter()
         self.bans = bans if bans is not None else SourceBans(config)
         self.bans.stats = self.stats  # its counters are reported with the fetch's (`stats.fetch`)
@@ -390,6 +393,8 @@ class PolicyFetcher:
                 self.stats["bytes_fetched"] += ref.size
                 self.bytes_from[source.name] += ref.size
                 self.credit.delivered(source.name)
+                if getattr(source, "peer_id", None):
+                    self.served(source.peer_id)
                 if wait > 0:
                     patience.begun(source.name)
                 return "done"

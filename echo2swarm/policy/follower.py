@@ -107,7 +107,7 @@ class PolicyFollower:
         self.in_use = in_use
         self.inflight = inflight or InFlight()
         self.inflight.poke = self.poke
-        self.fetcher = PolicyFetcher(fetch, chunks)
+        self.fetcher = PolicyFetcher(fetch, chunks, served=lambda peer: overlay.saw_work(peer, "served"))
         # Sources that stalled, were too slow or lied, and until when: kept across versions (fetcher.py).
         self.bans = self.fetcher.bans
         self.held_version: int | None = versions.latest()

@@ -1,15 +1,20 @@
 """The seeded sampler in torch: the engines' sampling step and the learner's re-derivation of it.
 
     (k0, k1) per completion (wire/sampling.py `completion_key`), t per position
-      ─► `gumbel_noise`: g [R, V], the reference's bits (int64 ops only: same on CPU and CUDA)
-      ─► engines:  `sample_seeded`  token = argmax over the nucleus of (logits / T + g)
+      ─► `gumbel_noise`: g [R, V], the reference's bits
+      ─► engines:  `seeded_choice`  token = argmax over the nucleus of (logits / T + g), and its
+                                    behaviour logprob (`sample_seeded` with g already drawn)
       ─► learner:  `choice_gaps`    how far below the best perturbed score in the nucleus the sent
                                     token's is, with slack δ for the engines' different logits
 
 The scheme, bit by bit: wire/sampling.py (the pure-Python reference, which a unit test holds this
-module equal to) and docs/protocol.md §10.7. A 32-bit multiply mod 2^32 is done in int64 with the
-constant split in 16-bit halves, so no product exceeds 2^49 and nothing depends on how a device
-wraps an overflow. The noise costs about 30 int64 operations per vocabulary entry and row.
+module equal to) and docs/protocol.md §10.7. The words are computed in int32 tensors holding the
+bits of the unsigned words: an int32 multiply wraps mod 2^32 on every torch backend (AVX2/AVX-512
+`mullo`, CUDA `mul.lo`), and each logical shift is an arithmetic shift with the sign bits masked
+off. About 25 passes over 4-byte elements per vocabulary entry and row; on a CPU they run over
+blocks of `CPU_BLOCK_ELEMENTS`, which keeps every operand in the core's L2 cache (a pass over a
+whole 64 × 152k batch would stream it from memory ~25 times). With top_p < 1 an engine draws the
+noise of the nucleus's tokens only.
 """
 
 from __future__ import annotations
@@ -20,7 +25,21 @@ import torch
 
 from echo2swarm.wire.sampling import LOWBIAS32_M1, LOWBIAS32_M2, MASK32
 
-__all__ = ["choice_gaps", "gumbel_noise", "lowbias32", "nucleus", "sample_seeded", "uniform_bits"]
+__all__ = ["CPU_BLOCK_ELEMENTS", "choice_gaps", "gumbel_noise", "lowbias32", "nucleus", "sample_seeded",
+           "seeded_choice", "uniform_bits"]
+
+CPU_BLOCK_ELEMENTS = 1 << 16
+"""Rows × vocabulary entries per block of the noise on a CPU: three 4-byte operands of 256 KiB."""
+
+
+def _signed32(value: int) -> int:
+    """The int32 whose bits are the unsigned 32-bit ``value``."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_M1, _M2 = _signed32(LOWBIAS32_M1), _signed32(LOWBIAS32_M2)
+_UNIFORM_OFFSET = 1.0 - 2.0**-24  # 1.m - (1 - 2^-24) = (m + 0.5) · 2^-23, exact (Sterbenz)
+
 
 def _mul32_(x: torch.Tensor, constant: int) -> torch.Tensor:
     """x · constant mod 2^32, in place, for int64 ``x`` in [0, 2^32): each partial product < 2^48."""
@@ -43,26 +62,81 @@ def lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def uniform_bits(k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The PRF's 32-bit words ``[R, vocab]`` (int64) for rows with key words ``k0``, ``k1`` and
-    positions ``t`` (each ``[R]``, int64, on the device the words are wanted on)."""
+def _lowbias32_bits_(x: torch.Tensor, spare: torch.Tensor) -> None:
+    """lowbias32 of int32 ``x`` holding unsigned words' bits, in place; ``spare``: scratch of x's shape."""
+    for shift, multiplier in ((16, _M1), (15, _M2), (16, None)):
+        torch.bitwise_right_shift(x, shift, out=spare)
+        spare &= (1 << (32 - shift)) - 1  # the logical shift: no sign bits
+        x ^= spare
+        if multiplier is not None:
+            x *= multiplier
+
+
+def _key_bits(k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (int64 ``[R]`` in [0, 2^32)): r = lowbias32(k0 ^ t) and k1, as int32 bits ``[R, 1]``."""
     r = lowbias32(k0 ^ t)
-    x = torch.arange(vocab, dtype=torch.int64, device=k0.device).unsqueeze(0) ^ r.unsqueeze(1)
-    lowbias32(x)
-    x ^= k1.unsqueeze(1)
-    return lowbias32(x)
+    as_bits = lambda w: (w - ((w >> 31) << 32)).to(torch.int32).unsqueeze(1)  # noqa: E731
+    return as_bits(r), as_bits(k1)
+
+
+def _words_(ids: torch.Tensor, r: torch.Tensor, k1: torch.Tensor, x: torch.Tensor, spare: torch.Tensor) -> None:
+    """x = prf(k0, k1, t, v) for token ids ``ids`` (int32, ``[R, C]`` or ``[1, C]``), as int32 bits."""
+    torch.bitwise_xor(ids, r, out=x)
+    _lowbias32_bits_(x, spare)
+    x ^= k1
+    _lowbias32_bits_(x, spare)
+
+
+def _log_neg_log_uniform_(x: torch.Tensor) -> torch.Tensor:
+    """log(-log(u)) = -g, u = ((x >> 9) + 0.5) · 2^-23, in place: x's storage as float32 (returned)."""
+    x >>= 9
+    x &= 0x7FFFFF
+    x |= 0x3F800000  # the float32 1.m, m = the word's top 23 bits
+    u = x.view(torch.float32)
+    u -= _UNIFORM_OFFSET
+    return u.log_().neg_().log_()
+
+
+def _blocks(rows: int, vocab: int, device: torch.device) -> int:
+    """Columns per block: the whole vocabulary off the CPU (one kernel per pass), else a cache's worth."""
+    return vocab if device.type != "cpu" else max(1, min(vocab, CPU_BLOCK_ELEMENTS // max(rows, 1)))
+
+
+def _perturb(k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor, out: torch.Tensor, base: torch.Tensor | None,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
+    """out = base + g (``base`` None: g) ``[R, C]``, block by block: g of token ids ``ids`` ``[R, C]``,
+    or with ``ids`` None of the tokens 0 .. C-1."""
+    r, k = _key_bits(k0, k1, t)
+    rows, width = out.shape
+    columns = _blocks(rows, width, out.device)
+    x = torch.empty((rows, columns), dtype=torch.int32, device=out.device)
+    spare = torch.empty_like(x)
+    for start in range(0, width, columns):
+        stop = min(width, start + columns)
+        xs = x[:, : stop - start]
+        block = (torch.arange(start, stop, dtype=torch.int32, device=out.device).unsqueeze(0) if ids is None
+                 else ids[:, start:stop].to(torch.int32))
+        _words_(block, r, k, xs, spare[:, : stop - start])
+        h = _log_neg_log_uniform_(xs)
+        if base is None:
+            torch.neg(h, out=out[:, start:stop])
+        else:  # a - h is a + (-h) bit for bit
+            torch.sub(base[:, start:stop], h, out=out[:, start:stop])
+    return out
+
+
+def uniform_bits(k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The PRF's 32-bit words ``[R, vocab]`` (int64 in [0, 2^32)) for rows with key words ``k0``, ``k1``
+    and positions ``t`` (each ``[R]``, int64, on the device the words are wanted on)."""
+    r, k = _key_bits(k0, k1, t)
+    x = torch.empty((len(r), vocab), dtype=torch.int32, device=k0.device)
+    _words_(torch.arange(vocab, dtype=torch.int32, device=k0.device).unsqueeze(0), r, k, x, torch.empty_like(x))
+    return x.to(torch.int64) & MASK32
 
 
 def gumbel_noise(k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor, vocab: int) -> torch.Tensor:
     """g = -log(-log(u)) ``[R, vocab]`` float32, u = ((x >> 9) + 0.5) · 2^-23 of the PRF's words."""
-    x = uniform_bits(k0, k1, t, vocab)
-    x >>= 9
-    u = x.to(torch.float32)
-    del x
-    u += 0.5
-    u *= 2.0**-23  # exact: a power of two, and (x >> 9) + 0.5 has at most 24 significant bits
-    u.log_().neg_().log_().neg_()
-    return u
+    return _perturb(k0, k1, t, torch.empty((len(k0), vocab), dtype=torch.float32, device=k0.device), None)
 
 
 def nucleus(logp: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +165,34 @@ def sample_seeded(scaled: torch.Tensor, noise: torch.Tensor, top_p: float) -> tu
         return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1) - log_mass.squeeze(-1)
     token = scores.argmax(dim=-1)
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+def seeded_choice(scaled: torch.Tensor, k0: torch.Tensor, k1: torch.Tensor, t: torch.Tensor,
+                  top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an engine samples: ``sample_seeded(scaled, gumbel_noise(k0, k1, t, V), top_p)``, the same
+    tokens (and logprobs to rounding), drawing only the noise it needs.
+
+    ``scaled`` = logits / T ``[R, V]`` float32; ``k0``, ``k1``, ``t`` ``[R]`` int64 on its device.
+    top_p = 1: scaled + g block by block, never the noise alone. top_p < 1: the noise of the
+    nucleus's tokens only (sorted by probability, the nucleus is a prefix of each row), the lowest
+    token id among equal scores as the argmax over the whole vocabulary gives it.
+    """
+    logp = torch.log_softmax(scaled, dim=-1)
+    if top_p >= 1.0:
+        token = _perturb(k0, k1, t, torch.empty_like(scaled), scaled).argmax(dim=-1)
+        return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # nucleus()'s rule, in sorted order
+    width = int(keep.sum(dim=-1).max())
+    ids, keep = order[:, :width], keep[:, :width]
+    gathered = scaled.gather(-1, ids)
+    scores = _perturb(k0, k1, t, torch.empty_like(gathered), gathered, ids)
+    scores.masked_fill_(~keep, -math.inf)
+    best = scores.amax(dim=-1, keepdim=True)
+    token = torch.where(scores == best, ids, scaled.shape[-1]).amin(dim=-1)
+    log_mass = torch.logsumexp(sorted_logp[:, :width].masked_fill(~keep, -math.inf), dim=-1)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1) - log_mass
 
 
 def choice_gaps(scaled: torch.Tensor, tokens: torch.Tensor, noise: torch.Tensor, top_p: float,

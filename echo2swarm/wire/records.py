@@ -9,13 +9,16 @@ all of those, so none has to reach into another's package for them.
                 itself can write or replace its card
     HeadRecord  the learner's signed pointer to its newest policy version, subkey = its public key;
                 also carries the learner's own addresses, so followers need no card to reach it
+    RosterRecord  the peers a daemon (the learner) saw doing work, under a key of its own; signed
+                by its libp2p key like its card, so readers who trust its heads can read those
+                peers' cards first, however many other cards the swarm holds
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -87,10 +90,96 @@ class BanNote(_Strict):
 MAX_BANS_ON_CARD = 16
 
 
-class PeerCard(BaseModel):
+class _PeerSigned:
+    """Signing and checks of a record its peer signs with its libp2p key (cards, rosters).
+
+    The record has `peer_id`, `updated_ms`, `expires_ms`, `public_key` and `signature` fields; its
+    payload is canonical JSON of {KIND: fields but signature, "swarm": swarm} after DOMAIN.
+    """
+
+    DOMAIN: ClassVar[bytes]
+    KIND: ClassVar[str]
+    if TYPE_CHECKING:  # fields of the model this is mixed into (declared there, in its own order)
+        peer_id: str
+        updated_ms: int
+        expires_ms: int
+        public_key: str | None
+        signature: str
+
+    def signing_payload(self, swarm: str) -> bytes:
+        """What the owner signs (after DOMAIN): canonical JSON of {KIND: fields but signature, "swarm": swarm}.
+
+        Floats are written as `float_text` (exact binary64 bits), since canonical JSON has none.
+        """
+
+        def exact(value: object) -> object:
+            if isinstance(value, float):
+                return float_text(value)
+            if isinstance(value, dict):
+                return {k: exact(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [exact(v) for v in value]
+            return value
+
+        fields = self.model_dump(mode="json", exclude={"signature"})  # type: ignore[attr-defined]
+        return canonical_bytes({self.KIND: exact(fields), "swarm": swarm})
+
+    def signed(self: P, key: PeerKey, swarm: str, ttl_s: float) -> P:
+        """This record signed by its peer's libp2p key, alive for `ttl_s` from `updated_ms`."""
+        if key.peer_id != self.peer_id:
+            raise ValueError(f"{self.KIND} of {self.peer_id} cannot be signed by the key of {key.peer_id}")
+        unsigned = self.model_copy(update={  # type: ignore[attr-defined]
+            "expires_ms": self.updated_ms + int(ttl_s * 1000),
+            "public_key": None if key.public.embedded else key.public.proto.hex(),
+            "signature": "",
+        })
+        signature = key.sign(self.DOMAIN, unsigned.signing_payload(swarm)).hex()
+        return unsigned.model_copy(update={"signature": signature})  # type: ignore[no-any-return]
+
+    def check_signature(self, swarm: str) -> None:
+        """Raises RecordError unless the key that owns `peer_id` signed exactly this record for `swarm`."""
+        what = f"{self.KIND} of {self.peer_id[-8:]}"
+        if not self.signature:
+            raise RecordError(f"{what} is not signed", "unsigned")
+        try:
+            key = PeerPublicKey.for_peer(self.peer_id, bytes.fromhex(self.public_key) if self.public_key else None)
+        except (PeerKeyError, ValueError) as e:
+            raise RecordError(f"{what}: no usable key for its peer id: {e}", "bad_key") from None
+        if not key.verify(self.DOMAIN, self.signing_payload(swarm), bytes.fromhex(self.signature)):
+            raise RecordError(f"{what} with a bad signature", "bad_signature")
+
+    def check_times(self, expiration_s: float | None = None, now_s: float | None = None) -> None:
+        """Raises RecordError if the record is dated in the future, already expired, or kept past its signed expiry.
+
+        `expiration_s` is the DHT expiration it is stored with: at most the signed `expires_ms`
+        (plus the clock skew), so nobody can replay an old record with a later DHT expiry.
+        """
+        check_times(f"{self.KIND} of {self.peer_id[-8:]}", self.updated_ms, self.expires_ms, expiration_s, now_s)
+
+
+def check_times(what: str, updated_ms: int, expires_ms: int, expiration_s: float | None = None,
+                now_s: float | None = None) -> None:
+    """The time checks of a peer-signed record (`_PeerSigned.check_times`) from its two signed times."""
+    now = time.time() if now_s is None else now_s
+    if updated_ms > (now + CARD_CLOCK_SKEW_S) * 1000:
+        raise RecordError(f"{what} dated {updated_ms / 1000 - now:.0f} s ahead", "future")
+    if not updated_ms <= expires_ms <= updated_ms + int(MAX_RECORD_TTL_S * 1000):
+        raise RecordError(f"{what} with a signed lifetime outside 0..{MAX_RECORD_TTL_S:.0f} s", "lifetime")
+    if expires_ms < (now - CARD_CLOCK_SKEW_S) * 1000:
+        raise RecordError(f"{what} expired {now - expires_ms / 1000:.0f} s ago", "expired")
+    if expiration_s is not None and expiration_s > expires_ms / 1000 + CARD_CLOCK_SKEW_S:
+        raise RecordError(f"{what} stored past its signed expiry (a replay?)", "replay")
+
+
+P = TypeVar("P", bound=_PeerSigned)
+
+
+class PeerCard(_PeerSigned, BaseModel):
     """What a daemon tells the swarm about itself; re-announced every announce period."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    DOMAIN: ClassVar[bytes] = DOMAIN_CARD
+    KIND: ClassVar[str] = "card"
 
     peer_id: str = Field(max_length=128)
     role: Literal["learner", "rollout", "relay", "bootstrap"]
@@ -158,65 +247,6 @@ class PeerCard(BaseModel):
             raise ValueError("chunk_url must be http://host:port")
         return v
 
-    def signing_payload(self, swarm: str) -> bytes:
-        """What the owner signs (after DOMAIN_CARD): canonical JSON of {"card": fields but signature, "swarm": swarm}.
-
-        Floats are written as `float_text` (exact binary64 bits), since canonical JSON has none.
-        """
-
-        def exact(value: object) -> object:
-            if isinstance(value, float):
-                return float_text(value)
-            if isinstance(value, dict):
-                return {k: exact(v) for k, v in value.items()}
-            if isinstance(value, list):
-                return [exact(v) for v in value]
-            return value
-
-        fields = self.model_dump(mode="json", exclude={"signature"})
-        return canonical_bytes({"card": exact(fields), "swarm": swarm})
-
-    def signed(self, key: PeerKey, swarm: str, ttl_s: float) -> "PeerCard":
-        """This card signed by its peer's libp2p key, alive for `ttl_s` from `updated_ms`."""
-        if key.peer_id != self.peer_id:
-            raise ValueError(f"card of {self.peer_id} cannot be signed by the key of {key.peer_id}")
-        unsigned = self.model_copy(update={
-            "expires_ms": self.updated_ms + int(ttl_s * 1000),
-            "public_key": None if key.public.embedded else key.public.proto.hex(),
-            "signature": "",
-        })
-        signature = key.sign(DOMAIN_CARD, unsigned.signing_payload(swarm)).hex()
-        return unsigned.model_copy(update={"signature": signature})
-
-    def check_signature(self, swarm: str) -> None:
-        """Raises RecordError unless the key that owns `peer_id` signed exactly this card for `swarm`."""
-        if not self.signature:
-            raise RecordError(f"card of {self.peer_id[-8:]} is not signed", "unsigned")
-        try:
-            key = PeerPublicKey.for_peer(self.peer_id, bytes.fromhex(self.public_key) if self.public_key else None)
-        except (PeerKeyError, ValueError) as e:
-            raise RecordError(f"card of {self.peer_id[-8:]}: no usable key for its peer id: {e}", "bad_key") from None
-        if not key.verify(DOMAIN_CARD, self.signing_payload(swarm), bytes.fromhex(self.signature)):
-            raise RecordError(f"card of {self.peer_id[-8:]} with a bad signature", "bad_signature")
-
-    def check_times(self, expiration_s: float | None = None, now_s: float | None = None) -> None:
-        """Raises RecordError if the card is dated in the future, already expired, or kept past its signed expiry.
-
-        `expiration_s` is the DHT expiration it is stored with: at most the signed `expires_ms`
-        (plus the clock skew), so nobody can replay an old card with a later DHT expiry.
-        """
-        now = time.time() if now_s is None else now_s
-        if self.updated_ms > (now + CARD_CLOCK_SKEW_S) * 1000:
-            raise RecordError(f"card of {self.peer_id[-8:]} dated {self.updated_ms / 1000 - now:.0f} s ahead", "future")
-        if not self.updated_ms <= self.expires_ms <= self.updated_ms + int(MAX_RECORD_TTL_S * 1000):
-            raise RecordError(f"card of {self.peer_id[-8:]} with a signed lifetime outside 0..{MAX_RECORD_TTL_S:.0f} s",
-                              "lifetime")
-        if self.expires_ms < (now - CARD_CLOCK_SKEW_S) * 1000:
-            raise RecordError(f"card of {self.peer_id[-8:]} expired {now - self.expires_ms / 1000:.0f} s ago", "expired")
-        if expiration_s is not None and expiration_s > self.expires_ms / 1000 + CARD_CLOCK_SKEW_S:
-            raise RecordError(f"card of {self.peer_id[-8:]} stored past its signed expiry (a replay?)", "replay")
-
-
 R = TypeVar("R", bound=BaseModel)
 
 
@@ -232,6 +262,62 @@ def _parse(model: type[R], value: object, what: str) -> R:
 
 def parse_card(value: object) -> PeerCard:
     return _parse(PeerCard, value, "peer card")
+
+
+# Beside the other signing domains (wire/signing.py): a roster signature is never a card's or a head's.
+DOMAIN_ROSTER = b"echo2swarm/roster/v1\n"
+ROSTER_FORMAT = "echo2swarm-roster/1"
+MAX_ROSTER_PEERS = 128  # ~13.5 KiB signed with Ed25519 ids; the writer trims its oldest entries to fit MAX_RECORD_BYTES
+WorkKind = Literal["delivered", "served"]
+
+
+class RosterEntry(_Strict):
+    """A peer its roster's signer saw doing work: which kinds, and when last (the signer's clock)."""
+
+    peer_id: str = Field(pattern=_PEER_ID.pattern)
+    work: list[WorkKind] = Field(
+        min_length=1, max_length=2,
+        description="delivered: groups the learner accepted; served: chunks that verified against a signed manifest",
+    )
+    seen_ms: int = Field(ge=0)
+
+    @field_validator("work")
+    @classmethod
+    def _kinds(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("work lists a kind twice")
+        return v
+
+
+class RosterRecord(_PeerSigned, _Strict):
+    """The peers a daemon saw doing work lately, newest evidence first (docs/protocol.md §4.9).
+
+    Stored under `<swarm>/roster/<peer_id>` (overlay/dht_keys.py), subkey = the signer's peer id,
+    signed by that peer's libp2p key exactly as its card is. The learner publishes one; readers that
+    trust a learner (its heads name it as publisher) read the cards of its roster's peers first.
+    """
+
+    DOMAIN: ClassVar[bytes] = DOMAIN_ROSTER
+    KIND: ClassVar[str] = "roster"
+
+    format: Literal["echo2swarm-roster/1"] = ROSTER_FORMAT
+    peer_id: str = Field(pattern=_PEER_ID.pattern, description="the signer (a learner)")
+    peers: list[RosterEntry] = Field(default_factory=list, max_length=MAX_ROSTER_PEERS)
+    updated_ms: int = Field(ge=0)
+    expires_ms: int = Field(0, ge=0, description="signed end of life: no node keeps the roster longer (set when signed)")
+    public_key: str | None = Field(None, pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * MAX_PUBLIC_KEY_BYTES)
+    signature: str = Field("", pattern=r"^((?:[0-9a-f]{2}){1,512})?$")
+
+    @field_validator("peers")
+    @classmethod
+    def _distinct(cls, v: list[RosterEntry]) -> list[RosterEntry]:
+        if len({e.peer_id for e in v}) != len(v):
+            raise ValueError("a roster lists a peer twice")
+        return v
+
+
+def parse_roster(value: object) -> RosterRecord:
+    return _parse(RosterRecord, value, "roster")
 
 
 class HeadRecord(_Strict):

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.swarm import http_json
+from helpers.swarm import LOOPBACK_OVERLAY, http_json, learner_toml
 
 from echo2swarm.runtime.processes import child_pids, pid_alive, wait_until
 
@@ -45,25 +45,10 @@ def _environ(pid: int) -> dict[str, str]:
 def test_launch_script_starts_two_ranks_that_publish_and_stop_together(
     tmp_path: Path, tiny_model_dir: Path, policy_key: Path
 ) -> None:
-    config = tmp_path / "learner.toml"
-    config.write_text(f"""
-role = "learner"
-state_dir = "{tmp_path}/learner"
-[publish]
-model = "{tiny_model_dir}"
-policy_key = "{policy_key}"
-[train]
-steps = 5
-threads = 1
-[overlay]
-swarm = "sharded-launch"
-new_swarm = true
-host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
-announce_period_s = 1.0
-record_ttl_s = 4.0
-[chunk_server]
-host = "127.0.0.1"
-""")
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=5,
+                          top={"state_dir": f"{tmp_path}/learner"},
+                          sections={"overlay": {**LOOPBACK_OVERLAY, "swarm": "sharded-launch"},
+                                    "chunk_server": {"host": "127.0.0.1"}})
     env = {**os.environ, "ECHO2SWARM_BIN": str(Path(sys.executable).parent / "echo2swarm"), "PYTHONUNBUFFERED": "1"}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     log_path = tmp_path / "learner.out"

@@ -10,7 +10,9 @@ collects it; this module's own class is not collected) and provides these fixtur
 - ``reference``: ``{"seed0": …, "seed1": …}``, transformers engines holding those weights. Every
   logprob is checked against teacher forcing on them: one unpadded, uncached forward pass over
   prompt + completion, the definition the learner relies on (with top_p < 1: the token's
-  probability in the nucleus renormalised, worked out here in float64, apart from any engine).
+  probability in the nucleus renormalised, worked out here in float64, apart from any engine),
+  and every token drawn with the lease's seeded sampler against the draw the learner re-derives
+  from those logits (train/sampling.py `sample_seeded`).
 
 and sets ``greedy_tolerance``: how far the engine's greedy logprobs may be from the transformers
 engine's, and from its own earlier ones after a refit there and back (0.0: the very same outputs,
@@ -29,13 +31,16 @@ import pytest
 import torch
 
 from echo2swarm.rollout.engines import Completion, Engine, SamplingParams
+from echo2swarm.train.sampling import gumbel_noise, sample_seeded
+from echo2swarm.wire.sampling import SAMPLER, completion_key
 
 if TYPE_CHECKING:
     from echo2swarm.rollout.engines.hf import TransformersEngine
 
 __all__ = [
-    "EOS", "GREEDY", "LONG_PROMPT", "MIXED_PROMPTS", "EngineContract", "assert_closed", "assert_logprobs_match",
-    "assert_same_completions", "assert_well_formed", "greedy_reference", "teacher_forced_logprobs", "token_ids",
+    "EOS", "GREEDY", "LEASE_SEED", "LONG_PROMPT", "MIXED_PROMPTS", "PROMPT_IDS", "EngineContract", "assert_closed",
+    "assert_logprobs_match", "assert_same_completions", "assert_well_formed", "greedy_reference", "seeded", "seeded_reference",
+    "teacher_forced_logprobs", "token_ids",
 ]
 
 EOS = 2  # the tiny model's only EOS id
@@ -43,6 +48,14 @@ MIXED_PROMPTS = ["1", "12+3=", "7+8=", "abc, 99*3-4="]  # lengths 1, 5, 4, 12: r
 # 71 tokens: fills two prefix-cache blocks of 32, so a cache that outlives a refit shows.
 LONG_PROMPT = "what is 12 + 34 * 5 - 6, and then 7 * 8 + 9, and 10 - 11 * 12? answer: "
 GREEDY = SamplingParams(n=2, max_new_tokens=8, temperature=0.0)
+PROMPT_IDS = [f"train:{i}" for i in range(len(MIXED_PROMPTS))]
+LEASE_SEED = 2**62 + 5  # a lease's seed is 62 bits: its key bytes are all in use
+
+
+def seeded(prompt_ids: list[str], seed: int = LEASE_SEED, **kw: object) -> SamplingParams:
+    """A lease's sampling with its seeded sampler, for prompts with these ids."""
+    return SamplingParams(**{"n": 4, "max_new_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": seed,
+                             "sampler": SAMPLER, "prompt_ids": tuple(prompt_ids), **kw})  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- reference computations
@@ -74,6 +87,22 @@ def teacher_forced_logprobs(
         mass = ranked[(ranked.cumsum(0) - ranked) < top_p].sum().item()
         out.append(math.log(p[token].item() / mass))
     return out
+
+
+def seeded_reference(
+    reference: TransformersEngine, prompt: str, completion: list[int], params: SamplingParams, prompt_id: str, j: int
+) -> list[int]:
+    """What the lease's seeded sampler picks after each prefix of ``completion`` (completion ``j`` of the
+    prompt ``prompt_id``), from one uncached forward pass: the learner's re-derivation of the choices."""
+    assert params.seed is not None
+    prompt_ids = reference.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = reference.model(torch.tensor([prompt_ids + completion])).logits[0].float()
+    scaled = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(completion)] / params.temperature
+    k0, k1 = completion_key(params.seed, prompt_id, j)
+    rows = len(completion)
+    noise = gumbel_noise(torch.full((rows,), k0), torch.full((rows,), k1), torch.arange(rows), scaled.shape[-1])
+    return sample_seeded(scaled, noise, params.top_p)[0].tolist()
 
 
 def greedy_reference(reference: TransformersEngine, prompt: str, max_new_tokens: int) -> list[int]:
@@ -220,6 +249,48 @@ class EngineContract:
         ]
         assert min(lifts) > 0.3, min(lifts)  # -log(nucleus mass), never the full-softmax value
         assert engine.generate(MIXED_PROMPTS, params) == groups  # seeded as without top-p
+
+    @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+    def test_seeded_sampling_is_the_lease_s_draw_in_any_order_or_company(
+        self, engine: Engine, reference: dict[str, TransformersEngine], temperature: float, top_p: float
+    ) -> None:
+        params = seeded(PROMPT_IDS, temperature=temperature, top_p=top_p)
+        groups = engine.generate(MIXED_PROMPTS, params)
+
+        assert [len(group) for group in groups] == [4] * len(MIXED_PROMPTS)
+        for prompt, prompt_id, group in zip(MIXED_PROMPTS, PROMPT_IDS, groups, strict=True):
+            assert len({tuple(c.token_ids) for c in group}) > 1  # each completion its own noise
+            for j, completion in enumerate(group):
+                assert_well_formed(completion, params.max_new_tokens)
+                # Every token is the one the learner re-derives from the lease's seed, the prompt id and j.
+                assert completion.token_ids == seeded_reference(reference["seed0"], prompt, completion.token_ids,
+                                                                params, prompt_id, j), (prompt, j)
+        assert_logprobs_match(reference["seed0"], MIXED_PROMPTS, groups, temperature, top_p)  # the convention
+
+        # The noise is a function of (seed, prompt id, j) alone: the same draw in any order or company.
+        reordered = engine.generate(MIXED_PROMPTS[::-1], seeded(PROMPT_IDS[::-1], temperature=temperature,
+                                                                top_p=top_p))[::-1]
+        alone = [engine.generate([prompt], seeded([prompt_id], temperature=temperature, top_p=top_p))[0]
+                 for prompt, prompt_id in zip(MIXED_PROMPTS, PROMPT_IDS)]
+        for other in (reordered, alone):
+            assert_same_completions(other, groups, 1e-5)
+        # Another seed or another prompt id: other completions.
+        other_seed = seeded(PROMPT_IDS, seed=LEASE_SEED + 1, temperature=temperature, top_p=top_p)
+        assert token_ids(engine.generate(MIXED_PROMPTS, other_seed)) != token_ids(groups)
+        other_id = seeded(["train:99", *PROMPT_IDS[1:]], temperature=temperature, top_p=top_p)
+        assert token_ids(engine.generate(MIXED_PROMPTS, other_id))[0] != token_ids(groups)[0]
+
+    def test_seeded_sampling_needs_an_id_per_prompt_and_a_sampler_the_engine_has(
+        self, engine: Engine, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        with pytest.raises(ValueError, match="prompt_ids"):
+            engine.generate(MIXED_PROMPTS[:2], seeded(PROMPT_IDS[:1]))
+        from echo2swarm.rollout.engines import base
+
+        assert SAMPLER in base.SEEDED_SAMPLERS[engine.name]
+        monkeypatch.setitem(base.SEEDED_SAMPLERS, engine.name, frozenset())
+        with pytest.raises(ValueError, match="does not implement the sampler"):
+            engine.generate(MIXED_PROMPTS[:1], seeded(PROMPT_IDS[:1]))
 
     def test_refit_in_place(
         self, refit_engine: Engine, reference: dict[str, TransformersEngine], model_dirs: dict[str, Path]

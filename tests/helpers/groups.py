@@ -1,11 +1,14 @@
 """Made-up groups for trainer tests: random completion tokens with made-up behaviour logprobs.
 
-The learner's verification rightly refuses them; tests of devices and numerics train with it off.
+The learner's verification rightly refuses them; tests of devices and numerics train with it off,
+or give them the trainer's own logprobs first (`with_own_logprobs`).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from echo2swarm.train.group import Group
@@ -29,3 +32,24 @@ def make_groups(trainer: GRPOTrainer, *, n_groups: int = 3, group_size: int = 4,
             finish_reasons=["stop"] * group_size,
         ))
     return groups
+
+
+def with_own_logprobs(trainer: GRPOTrainer, groups: list[Group],
+                      shift: Callable[[float], float] = float) -> list[Group]:
+    """The groups with behaviour logprobs computed by the trainer's current policy, each passed through
+    `shift` (on-policy data by default; a shift makes it look stale)."""
+    import torch
+
+    from echo2swarm.train.grpo import token_logprobs
+
+    batch = trainer.build_batch(groups)
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    out, row = [], 0
+    for group in groups:
+        behaviour = []
+        for completion in group.completions:
+            behaviour.append([shift(float(v)) for v in lp[row, lp.shape[1] - len(completion):]])
+            row += 1
+        out.append(replace(group, behaviour_logprobs=behaviour))
+    return out

@@ -116,3 +116,20 @@ def training_swarm(swarm: Any, model: Any, key: Any, tmp_path: Any, steps_first:
     metrics = learner.state_dir / "run" / "metrics.jsonl"
     wait_until(lambda: len(read_metrics(metrics)) >= steps_first, 120, what="the learner training on the honest peer")
     return learner, honest, learner.info["chunk_url"] + "/v1/info", metrics
+
+
+async def drip(request: Any, body: bytes, every_s: float, for_s: float = 120.0) -> Any:
+    """Answer an aiohttp request with `body`'s honest Content-Length at once, then one byte of it every
+    `every_s` seconds: never a stall, always far below any minimum rate. Bounded (`for_s`): a fetcher
+    that never gives up is cut there. Ends quietly when the fetcher hangs up or the handler is cancelled."""
+    from aiohttp import web
+
+    resp = web.StreamResponse(headers={"Content-Length": str(len(body))})
+    await resp.prepare(request)
+    try:
+        for i in range(int(for_s / every_s)):
+            await resp.write(body[i : i + 1])
+            await asyncio.sleep(every_s)  # the attack itself: the drip
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    return resp

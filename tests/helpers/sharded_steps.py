@@ -21,7 +21,6 @@ import json
 import os
 import random
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -33,8 +32,8 @@ from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
 from echo2swarm.train.group import Group  # noqa: E402
 from echo2swarm.learner.checkpoint import load_latest, save_checkpoint  # noqa: E402
 from echo2swarm.train.distributed import make_trainer, serve_rank, world_size  # noqa: E402
-from echo2swarm.train.grpo import token_logprobs  # noqa: E402
 from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
+from tests.helpers.groups import with_own_logprobs  # noqa: E402
 
 
 def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:
@@ -48,17 +47,7 @@ def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:
                             behaviour_logprobs=[[0.0] * len(c) for c in completions],
                             rewards=[float(rng.random() < 0.5) + 0.1 * i for i in range(4)],
                             finish_reasons=["stop"] * 4))
-    batch = plain.build_batch(groups)
-    with torch.no_grad():
-        lp = token_logprobs(plain.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    out, row = [], 0
-    for group in groups:
-        behaviour = []
-        for completion in group.completions:
-            behaviour.append([float(v) for v in lp[row, lp.shape[1] - len(completion):]])
-            row += 1
-        out.append(replace(group, behaviour_logprobs=behaviour))
-    return out
+    return with_own_logprobs(plain, groups)
 
 
 def main() -> None:

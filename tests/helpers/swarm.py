@@ -13,6 +13,7 @@ from typing import Any
 
 from echo2swarm.learner.metrics import read_metrics
 from echo2swarm.runtime.processes import (
+    LOCAL_ANNOUNCE_PERIOD_S,
     LOCAL_RECORD_TTL_S,
     DaemonProcess,
     child_pids,
@@ -31,15 +32,62 @@ def run_cli(*args: str, timeout: float = 60.0, env: dict[str, str] | None = None
     )
 
 
-class LocalSwarm:
-    """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left."""
+class BootstrapPool:
+    """Bootstraps started one test ahead: a test's first step, a bootstrap of a new swarm, costs seconds
+    (torch, hivemind, p2pd) before anything else can join. The pool hands out one started during the
+    test before, each of its own swarm name as `LocalSwarm.bootstrap` would start it, and starts the
+    next; the one nobody took is ended by `close()`."""
 
-    def __init__(self, root: Path, swarm: str = "test"):
+    def __init__(self, root: Path):
+        self.root = root
+        self.spare: tuple[DaemonProcess, str] | None = None
+        self.started = 0
+
+    def _start(self) -> tuple[DaemonProcess, str]:
+        self.started += 1
+        swarm = f"b{os.getpid() % 10000}x{self.started}"
+        d = DaemonProcess("bootstrap", [*loopback_args(swarm, "DEBUG"), "--role", "bootstrap", "--new-swarm"],
+                          self.root / swarm)
+        return d.start(), swarm
+
+    def take(self) -> tuple[DaemonProcess, str]:
+        """A started bootstrap (not necessarily ready yet) and its swarm's name."""
+        taken = self.spare or self._start()
+        self.spare = self._start()
+        return taken
+
+    def close(self) -> None:
+        if self.spare is not None:
+            d = self.spare[0]
+            children = child_pids(d.pid) if d.running() else []
+            d.terminate(grace=10)
+            for pid in children:  # its p2pd, if it outlived a SIGKILLed daemon
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            self.spare = None
+
+
+class LocalSwarm:
+    """Start daemons of one swarm; `close()` ends them (SIGTERM, then SIGKILL) and any p2pd they left.
+
+    Shared by several tests (tests/conftest.py `module_swarm`): a module-scoped fixture starts what its
+    tests read once, and each test adds its own daemons through `joined(tmp_path)`, a view on the same
+    swarm whose `close()` ends only the daemons started through it."""
+
+    def __init__(self, root: Path, swarm: str = "test", pool: BootstrapPool | None = None):
         self.root = root
         self.swarm = swarm
+        self.pool = pool
         self.daemons: list[DaemonProcess] = []
         self._children: set[int] = set()
         self.bootstrap_addr: str | None = None
+        self.shared: LocalSwarm | None = None  # the swarm this one is a view on (`joined`)
+
+    def joined(self, root: Path) -> "LocalSwarm":
+        """A view on this swarm for one test: same name and bootstrap, its own daemons under `root`."""
+        view = LocalSwarm(root, self.swarm, self.pool)
+        view.bootstrap_addr, view.shared = self.bootstrap_addr, self
+        return view
 
     def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,
               env: dict[str, str] | None = None) -> DaemonProcess:
@@ -54,7 +102,13 @@ class LocalSwarm:
         return info
 
     def bootstrap(self) -> DaemonProcess:
-        d = self.start("bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
+        """Start the swarm's bootstrap, or take the one the pool started for it: the swarm then has the
+        pool's fresh name (a swarm with daemons already started keeps its name and starts its own)."""
+        if self.pool is not None and not self.daemons:
+            d, self.swarm = self.pool.take()
+            self.daemons.append(d)
+        else:
+            d = self.start("bootstrap", "--role", "bootstrap", "--new-swarm", join=False)
         self.ready(d)
         self.bootstrap_addr = d.maddr
         return d
@@ -66,20 +120,13 @@ class LocalSwarm:
         trust_args = ["--trust", f"{trust}"] if trust else []
         return self.start(name, "--role", "rollout", "--price", str(price), *trust_args, *args, **kw)
 
+    def all_daemons(self) -> list[DaemonProcess]:
+        """Every daemon started in this swarm, in start order; a view's shared daemons first."""
+        return [*(self.shared.all_daemons() if self.shared else []), *self.daemons]
+
     def log_tails(self, lines: int) -> list[tuple[str, str]]:
-        """(name, digest) for every daemon started, in start order: its last `lines` warnings and
-        errors, then its last `lines` lines (at DEBUG a busy daemon's tail covers only seconds)."""
-        out = []
-        for d in self.daemons:
-            try:
-                text = d.log_path.read_text(errors="replace").splitlines()
-            except FileNotFoundError:
-                out.append((d.name, "(no log)"))
-                continue
-            alarms = [line for line in text if " WARN " in line or " ERROR " in line][-lines:]
-            out.append((d.name, "\n".join([f"-- last {len(alarms)} warnings and errors", *alarms,
-                                            f"-- last {min(lines, len(text))} lines", *text[-lines:]])))
-        return out
+        """(name, digest) for every daemon of `all_daemons()`: see `log_digest`."""
+        return [(d.name, log_digest(d, lines)) for d in self.all_daemons()]
 
     def close(self) -> None:
         for d in reversed(self.daemons):
@@ -89,6 +136,18 @@ class LocalSwarm:
         for pid in self._children:  # only pids our daemons spawned (p2pd)
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def log_digest(daemon: DaemonProcess, lines: int) -> str:
+    """A daemon's last `lines` warnings and errors, then its last `lines` lines (at DEBUG a busy
+    daemon's tail covers only seconds)."""
+    try:
+        text = daemon.log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    alarms = [line for line in text if " WARN " in line or " ERROR " in line][-lines:]
+    return "\n".join([f"-- last {len(alarms)} warnings and errors", *alarms, f"-- last {min(lines, len(text))} lines",
+                      *text[-lines:]])
 
 
 class SwarmWatcher:
@@ -121,7 +180,8 @@ class SwarmWatcher:
         pending = asyncio.all_tasks(self.loop)
         for task in pending:
             task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        if pending:  # gather() of nothing would make its future on another loop
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
 
 
@@ -138,15 +198,56 @@ def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
+def http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict[str, str] | None = None,
+                timeout: float = 10.0) -> tuple[int, str]:
+    """(status, body) of one request, an error status included: what a test that expects a refusal reads."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, method=method, data=data, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        try:
+            body = e.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException):  # a server that refuses may close before its body
+            body = ""
+        return e.code, body
 
 
-def learner_toml(path: Path, model: Path, key: Path, **train: Any) -> Path:
-    """A learner config for tests: small steps, fast leases; `train` overrides [train] keys."""
+__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "http_status", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
+
+
+# [overlay] of a learner that starts its own swarm on 127.0.0.1 (scripts/launch_learner.sh runs it from a TOML).
+LOOPBACK_OVERLAY = {"new_swarm": True, "host_maddrs": ["/ip4/127.0.0.1/tcp/0"], "announce_period_s": LOCAL_ANNOUNCE_PERIOD_S,
+                    "record_ttl_s": RECORD_TTL_S}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(value)  # strings, numbers, booleans and lists of them are written alike in TOML
+
+
+def learner_toml(path: Path, model: Path, key: Path, *, publish: dict[str, Any] | None = None,
+                 sections: dict[str, dict[str, Any]] | None = None, top: dict[str, Any] | None = None,
+                 **train: Any) -> Path:
+    """A learner config for tests: small steps, fast leases. `train` overrides [train] keys, `publish`
+    adds [publish] keys, `sections` adds (or, for [leases], overrides keys of) other tables, e.g.
+    ``sections={"activation": {"enabled": False}}``, and `top` adds top-level keys such as state_dir."""
     settings = {"task": "arith", "steps": 30, "staleness": 1, "prompts_per_step": 8, "group_size": 4,
                 "max_new_tokens": 4, "checkpoint_every": 10, "threads": 1, **train}
-    lines = ['role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "[train]"]
-    lines += [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
-    lines += ["[leases]", "max_prompts = 4", "timeout_s = 5.0"]
+    tables: dict[str, dict[str, Any]] = {
+        "publish": {"model": str(model), "policy_key": str(key), **(publish or {})},
+        "train": settings,
+        "leases": {"max_prompts": 4, "timeout_s": 5.0},
+    }
+    for name, values in (sections or {}).items():
+        tables[name] = {**tables.get(name, {}), **values}
+    lines = [f"{k} = {_toml_value(v)}" for k, v in {"role": "learner", **(top or {})}.items()]
+    for name, values in tables.items():
+        lines += [f"[{name}]", *(f"{k} = {_toml_value(v)}" for k, v in values.items())]
     path.write_text("\n".join(lines) + "\n")
     return path

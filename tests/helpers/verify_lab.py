@@ -23,6 +23,20 @@ from echo2swarm.wire.sampling import SAMPLER
 TASK = ArithTask(seed=0)
 
 
+def write_peaked_model(source: Path, out: Path, scale: float) -> Path:
+    """`source`'s model with its final norm scaled by `scale`: next-token distributions as peaked as a
+    trained model's (the untrained tiny model's are nearly uniform, so little text is improbable and
+    other samplers change few choices)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(scale)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
 class Lab:
     """A trainer, versions published to disk after each step as the learner does (in `publish_dtype`,
     None: the fp32 masters), and an engine that follows them."""

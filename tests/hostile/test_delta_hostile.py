@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
-from helpers.swarm import LocalSwarm, http_json
+from helpers.swarm import LocalSwarm, http_json, http_status
 
 from echo2swarm.learner.versions import WEIGHTS_FILE, DeltaBase, VersionWriter, delta_file_name
 from echo2swarm.policy.delta import encode_delta, tensor_sha256
@@ -167,17 +167,6 @@ def _hashes(path: Path) -> dict[str, str]:
     return {k: tensor_sha256(t) for k, t in load_file(str(path)).items()}
 
 
-def _status(url: str) -> int:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
-
-
 def test_tampered_wrong_base_and_wrong_hash_deltas_are_refused_and_never_served(
     local_swarm: LocalSwarm, tmp_path: Path
 ):
@@ -249,9 +238,9 @@ def test_tampered_wrong_base_and_wrong_hash_deltas_are_refused_and_never_served(
               "the relay to refuse v4")
         until(lambda: _info(relay)["stats"]["fetching_version"] is None, 30, "the relay's fetch of v4 to end")
         assert 4 not in _held(relay) and not (relay.state_dir / "versions" / "v00000004").exists()
-        assert _status(relay.info["chunk_url"] + "/v1/manifest/4") == 404
+        assert http_status(relay.info["chunk_url"] + "/v1/manifest/4")[0] == 404
         for sha in delta_chunks:
-            assert _status(f"{relay.info['chunk_url']}/v1/chunk/{sha}") == 404
+            assert http_status(f"{relay.info['chunk_url']}/v1/chunk/{sha}")[0] == 404
         card = json.dumps(_info(relay))
         assert '"fetching_version": 4' not in card
 

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers.rogue import PACED
+from helpers.rogue import PACED, drip
 from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -80,15 +80,7 @@ class SlowSource:
             real = await resp.read() if resp.status == 200 else b""
         if not real:
             return web.Response(status=404)
-        resp = web.StreamResponse(headers={"Content-Length": str(len(real))})
-        await resp.prepare(request)  # the header at once (a wait= it was asked to hold is ignored), then the drip
-        try:
-            for i in range(int(120 / DRIP_EVERY_S)):  # bounded: a follower that never gives up is cut here
-                await resp.write(real[i : i + 1])
-                await asyncio.sleep(DRIP_EVERY_S)  # the attack itself: the drip
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        return resp
+        return await drip(request, real, DRIP_EVERY_S)  # a wait= it was asked to hold is ignored
 
     async def stop(self) -> None:
         if self.runner is not None:

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers.rogue import drip
 from helpers.swarm import LocalSwarm, http_json, learner_toml, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -98,15 +99,7 @@ class Rogue:
             if len(self.chunk_requests) % 2:  # truncated: an honest Content-Length for half the chunk
                 return web.Response(body=real[: len(real) // 2])
             return web.Response(body=real + b"\0" * 4096)  # oversized
-        resp = web.StreamResponse(headers={"Content-Length": str(len(real))})
-        await resp.prepare(request)
-        try:
-            for i in range(int(120 / DRIP_EVERY_S)):  # bounded: a follower that never gives up is cut here
-                await resp.write(real[i : i + 1])
-                await asyncio.sleep(DRIP_EVERY_S)  # the attack itself: the drip
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        return resp
+        return await drip(request, real, DRIP_EVERY_S)
 
     async def stop(self) -> None:
         if self.runner is not None:

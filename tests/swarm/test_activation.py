@@ -27,8 +27,8 @@ def test_standby_peer_replaces_a_killed_active_peer_within_one_replan_period(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=2000, staleness=1,
-                          prompts_per_step=8, group_size=4, min_step_s=1.0, checkpoint_every=1000)
-    config.write_text(config.read_text() + f"[activation]\nreplan_period_s = {REPLAN_S}\nstandby_retry_s = 0.3\n")
+                          prompts_per_step=8, group_size=4, min_step_s=1.0, checkpoint_every=1000,
+                          sections={"activation": {"replan_period_s": REPLAN_S, "standby_retry_s": 0.3}})
     boot = local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
     trust = Path(f"{policy_key}.pub")
@@ -45,10 +45,17 @@ def test_standby_peer_replaces_a_killed_active_peer_within_one_replan_period(
     cap = wait_until(planned_cheap, 120, interval=0.3, what="a plan with the two cheap peers active")
     assert ids["dear"] in cap["plan"]["standby"] and cap["plan"]["floor"] > 20 * 1.05
     with SwarmWatcher(boot.maddr, local_swarm.swarm) as watcher:
-        wait_until(lambda: watcher.peers().get(ids["dear"], {}).get("activation") == "standby", 30, interval=0.3,
-                   what="the expensive peer's card to show standby")
-        peers = watcher.peers()
-        assert peers[ids["cheap-1"]]["activation"] == "active" and peers[ids["cheap-1"]]["rollouts_per_s"] > 0
+        # Cards are republished on their own cycle: each peer's card catches up with the plan in its own
+        # time, so wait for all three to show it rather than reading one moment's snapshot.
+        def cards_show_the_plan() -> bool:
+            peers = watcher.peers()
+            state = {name: peers.get(ids[name], {}) for name in ids}
+            return (state["dear"].get("activation") == "standby"
+                    and all(state[c].get("activation") == "active" for c in ("cheap-1", "cheap-2"))
+                    and state["cheap-1"].get("rollouts_per_s", 0) > 0)
+
+        wait_until(cards_show_the_plan, 30, interval=0.3,
+                   what="the cards to show the plan: dear on standby, both cheap peers active")
         # Standby means no leases: while the others deliver several steps' worth, it delivers nothing
         # (one lease may have been in flight when the plan changed).
         info = lambda d: http_json(d.info["chunk_url"] + "/v1/info")["stats"]  # noqa: E731

@@ -34,11 +34,9 @@ def _delta_learner_toml(path: Path, model: Path, key: Path) -> Path:
     # The untrained tiny model earns no reward, so gradients are zero; AdamW's decoupled weight decay
     # (lr x decay = 2e-4 a step) still moves every fp32 master, and a few percent of the bf16 casts.
     # Values are held for 0.75 ulp (publish.hold_ulps): followers rebuild whatever bytes were published.
-    learner_toml(path, model, key, steps=400, staleness=1, lr=1e-4, weight_decay=2.0, min_step_s=0.4, checkpoint_every=1000)
-    text = path.read_text().replace("[publish]\n", "[publish]\ndtype = \"bfloat16\"\nkeyframe_every = 5\n"
-                                    "chunk_size = \"64KiB\"\nhold_ulps = 0.75\n")
-    path.write_text(text)
-    return path
+    return learner_toml(path, model, key, steps=400, staleness=1, lr=1e-4, weight_decay=2.0, min_step_s=0.4,
+                        checkpoint_every=1000,
+                        publish={"dtype": "bfloat16", "keyframe_every": 5, "chunk_size": "64KiB", "hold_ulps": 0.75})
 
 
 def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_weights(
@@ -139,9 +137,8 @@ def test_float32_publishing_keeps_exact_bases(local_swarm: LocalSwarm, tiny_mode
     """In float32 on the CPU the publish cast is the live parameters: the learner must keep a copy as the
     next delta's base, or its deltas come out empty and every follower refuses them."""
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=400, staleness=1, lr=1e-3,
-                          weight_decay=0.5, min_step_s=0.4, checkpoint_every=1000)
-    config.write_text(config.read_text().replace("[publish]\n", "[publish]\ndtype = \"float32\"\n"
-                                                 "delta_max_ratio = 1.0\nchunk_size = \"64KiB\"\n"))
+                          weight_decay=0.5, min_step_s=0.4, checkpoint_every=1000,
+                          publish={"dtype": "float32", "delta_max_ratio": 1.0, "chunk_size": "64KiB"})
     local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config), env={"ECHO2SWARM_ACTIVATION__ENABLED": "false"})
     trust = Path(f"{policy_key}.pub")

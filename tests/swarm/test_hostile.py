@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.swarm import LocalSwarm, SwarmWatcher, http_json, wait_until
+from helpers.swarm import LocalSwarm, SwarmWatcher, http_json, http_status, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -63,19 +61,16 @@ async def _hostile_peer(bootstrap: str, swarm: str, learner_peer_id: str) -> dic
     return outcome
 
 
-def _http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict | None = None) -> int:
-    request = urllib.request.Request(url, method=method, data=data, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return resp.status
-    except urllib.error.HTTPError as e:
-        return e.code
+@pytest.fixture(scope="module")
+def synced(module_swarm: LocalSwarm, tiny_model_dir: Path, module_policy_key: Path) -> tuple:
+    """The learner and relay the first two tests share: they leave both serving v1, as they found them.
+    (The rogue learner's head outlives its test: the forged-records test, which counts heads, runs first.)"""
+    return _synced(module_swarm, tiny_model_dir, module_policy_key)
 
 
-def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
-    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
-):
-    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
+def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(module_swarm: LocalSwarm, synced: tuple):
+    learner, relay = synced
+    local_swarm = module_swarm
     assert local_swarm.bootstrap_addr
     outcome = asyncio.run(_hostile_peer(local_swarm.bootstrap_addr, local_swarm.swarm, learner.info["peer_id"]))
     assert len(outcome.get("rpc_refused", [])) == 2, outcome
@@ -90,15 +85,15 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
 
     # Garbage HTTP: every request refused with the right status, nothing crashes.
     url = learner.info["chunk_url"]
-    assert _http_status(url + "/v1/chunk/not-a-hash") == 400
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32) == 404
-    assert _http_status(url + "/v1/manifest/abc") == 400
-    assert _http_status(url + "/v1/manifest/7") == 404
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"") == 405
-    assert _http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"x") == 413
-    assert _http_status(url + "/v1/info", data=b"x" * 4096, method="GET") == 413
-    assert _http_status(url + "/v1/info", headers={"X-Big": "y" * 100_000}) in (400, 431)
-    assert _http_status(url + "/nope") == 404
+    assert http_status(url + "/v1/chunk/not-a-hash")[0] == 400
+    assert http_status(url + "/v1/chunk/" + "ab" * 32)[0] == 404
+    assert http_status(url + "/v1/manifest/abc")[0] == 400
+    assert http_status(url + "/v1/manifest/7")[0] == 404
+    assert http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"")[0] == 405
+    assert http_status(url + "/v1/chunk/" + "ab" * 32, method="POST", data=b"x")[0] == 413
+    assert http_status(url + "/v1/info", data=b"x" * 4096, method="GET")[0] == 413
+    assert http_status(url + "/v1/info", headers={"X-Big": "y" * 100_000})[0] in (400, 431)
+    assert http_status(url + "/nope")[0] == 404
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(os.urandom(4096) + b"\r\n\r\n")
@@ -114,15 +109,16 @@ def test_forged_records_and_garbage_are_refused_while_daemons_keep_serving(
 
 
 def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
-    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+    joined_swarm: LocalSwarm, synced: tuple, tiny_model_dir: Path, module_policy_key: Path, tmp_path: Path
 ):
     from echo2swarm.wire.signing import PolicyKey
 
-    learner, relay = _synced(local_swarm, tiny_model_dir, policy_key)
+    policy_key = module_policy_key
+    learner, relay = synced
     rogue_key = tmp_path / "rogue.key"
     PolicyKey.generate().save(rogue_key)
-    rogue = local_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
-    local_swarm.ready(rogue)
+    rogue = joined_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
+    joined_swarm.ready(rogue)
     info_url = relay.info["chunk_url"] + "/v1/info"
     wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 20,
                what="the relay to refuse the rogue head")

@@ -14,34 +14,49 @@ from echo2swarm.runtime.processes import child_pids, pid_alive
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
 
-def test_same_identity_keeps_peer_id(local_swarm: LocalSwarm, tmp_path: Path):
-    local_swarm.bootstrap()
+@pytest.fixture(scope="module")
+def boot(module_swarm: LocalSwarm) -> LocalSwarm:
+    """The bootstrap these tests share: the daemons they stop are their own."""
+    module_swarm.bootstrap()
+    return module_swarm
+
+
+@pytest.fixture(scope="module")
+def served(boot: LocalSwarm, tiny_model_dir: Path, module_policy_key: Path) -> LocalSwarm:
+    """The shared bootstrap and a shared learner serving v1."""
+    boot.ready(boot.learner(tiny_model_dir, module_policy_key))
+    return boot
+
+
+def test_same_identity_keeps_peer_id(boot: LocalSwarm, joined_swarm: LocalSwarm, tmp_path: Path):
     identity = tmp_path / "ids" / "rollout.id"
-    first = local_swarm.rollout("r-first", "--identity", str(identity))
-    peer_id = local_swarm.ready(first)["peer_id"]
+    first = joined_swarm.rollout("r-first", "--identity", str(identity))
+    peer_id = joined_swarm.ready(first)["peer_id"]
     assert identity.is_file()
     first.terminate()
-    second = local_swarm.rollout("r-second", "--identity", str(identity))
-    assert local_swarm.ready(second)["peer_id"] == peer_id
-    other = local_swarm.rollout("r-other")
-    assert local_swarm.ready(other)["peer_id"] != peer_id
+    second = joined_swarm.rollout("r-second", "--identity", str(identity))
+    assert joined_swarm.ready(second)["peer_id"] == peer_id
+    other = joined_swarm.rollout("r-other")
+    assert joined_swarm.ready(other)["peer_id"] != peer_id
 
 
 @pytest.mark.parametrize("role", ["bootstrap", "learner", "rollout"])
 def test_sigterm_stops_within_5s_leaving_no_children(
-    role: str, local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
+    role: str, local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, module_policy_key: Path,
+    request: pytest.FixtureRequest,
 ):
-    boot = local_swarm.bootstrap()
     if role == "bootstrap":
-        daemon = boot
-    elif role == "learner":
-        daemon = local_swarm.learner(tiny_model_dir, policy_key)
-        local_swarm.ready(daemon)
+        daemon = local_swarm.bootstrap()
     else:
-        local_swarm.ready(local_swarm.learner(tiny_model_dir, policy_key))
-        daemon = local_swarm.rollout("r", trust=Path(f"{policy_key}.pub"))
-        local_swarm.ready(daemon)
-        wait_until(lambda: any((daemon.state_dir / "versions").glob("*.manifest")), 30, what="a version installed")
+        request.getfixturevalue("boot" if role == "learner" else "served")  # a rollout peer needs a learner
+        local_swarm = request.getfixturevalue("joined_swarm")
+        if role == "learner":
+            daemon = local_swarm.learner(tiny_model_dir, policy_key)  # a key of its own: not the shared learner's
+            local_swarm.ready(daemon)
+        else:
+            daemon = local_swarm.rollout("r", trust=Path(f"{module_policy_key}.pub"))
+            local_swarm.ready(daemon)
+            wait_until(lambda: any((daemon.state_dir / "versions").glob("*.manifest")), 30, what="a version installed")
     children = child_pids(daemon.pid)
     assert children, "p2pd should be a child of the daemon"
     assert daemon.proc is not None

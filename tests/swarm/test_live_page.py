@@ -18,14 +18,13 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.swarm import LocalSwarm, http_json, learner_toml, wait_until
+from helpers.swarm import LocalSwarm, http_json, http_status, learner_toml, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "20", "ECHO2SWARM_ENGINE__THREADS": "1"}
@@ -128,14 +127,6 @@ async def _stranger_card(bootstrap: str, swarm: str) -> str:
         await overlay.stop()
 
 
-def _status(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def _all_steps(base: str) -> dict[int, dict[str, Any]]:
     records, after = {}, 0
     while True:
@@ -157,10 +148,9 @@ def test_live_page_shows_the_running_swarm_in_a_real_browser(
 ):
     # Steps padded to 0.5 s: a steady run that leaves CPU to the browser. (The tiny model's reward may
     # stay 0; the warm one would cost minutes of warm-up on a busy machine.)
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=100_000, min_step_s=0.5,
-                          checkpoint_every=100_000)
     # Re-plan every 2 s (default 10): the active set, and so the cost per step, is known after a few steps.
-    config.write_text(config.read_text() + "[activation]\nreplan_period_s = 2.0\n")
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=100_000, min_step_s=0.5,
+                          checkpoint_every=100_000, sections={"activation": {"replan_period_s": 2.0}})
     local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
     trust = Path(f"{policy_key}.pub")
@@ -187,9 +177,9 @@ def test_live_page_shows_the_running_swarm_in_a_real_browser(
     for query, message in (("after=x", "after must be a step number"), ("after=-1", "after must be a step number"),
                            ("limit=0", "limit must be an integer from 1 to 500"), ("limit=501", "limit must be"),
                            ("after=1&after=2", "after given more than once"), ("evil=1", "unknown query parameter")):
-        status, text = _status(f"{base}/v1/steps?{query}")
+        status, text = http_status(f"{base}/v1/steps?{query}")
         assert (status, message in text) == (400, True), (query, status, text)
-    assert _status(f"{base}/v1/peers?x=1")[0] == 400
+    assert http_status(f"{base}/v1/peers?x=1")[0] == 400
     with urllib.request.urlopen(f"{base}/", timeout=10) as resp:
         assert resp.headers["Content-Type"].startswith("text/html")
         csp = resp.headers["Content-Security-Policy"]

@@ -22,10 +22,9 @@ def test_learner_writes_tensorboard_wandb_and_samples(
     pytest.importorskip("wandb", reason="the `wandb` extra (make install installs it)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=STEPS)
-    config.write_text(config.read_text() + "\n".join([
-        "[metrics]", 'sinks = ["jsonl", "tensorboard", "wandb"]', 'wandb_mode = "offline"',
-        'wandb_project = "swarm-test"', 'wandb_tags = ["arith"]', "samples_every = 2", "samples_count = 3", ""]))
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=STEPS, sections={"metrics": {
+        "sinks": ["jsonl", "tensorboard", "wandb"], "wandb_mode": "offline", "wandb_project": "swarm-test",
+        "wandb_tags": ["arith"], "samples_every": 2, "samples_count": 3}})
     home = tmp_path / "wandb-home"  # W&B writes nothing outside tmp_path and reaches no server
     env = {"WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(home / "config"), "WANDB_CACHE_DIR": str(home / "cache"),
            "WANDB_DATA_DIR": str(home / "data"), "WANDB_ARTIFACT_DIR": str(home / "artifacts"),

@@ -60,8 +60,8 @@ def _metrics(state_dir: Path) -> Path:
 
 def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path,
                                                 tmp_path: Path) -> None:
-    # As tests/swarm/test_training.py's resume test trains a single-process learner: 90 steps of 16 x 8.
-    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=90, checkpoint_every=30,
+    # As tests/swarm/test_training.py's resume test trains a single-process learner: 60 steps of 16 x 8.
+    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=60, checkpoint_every=30,
                           prompts_per_step=16, group_size=8)
     local_swarm.bootstrap()
     state = tmp_path / "learner"
@@ -78,7 +78,7 @@ def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_mo
     assert not any(pid_alive(p) for p in ranks), "a rank outlived torchrun"
 
     records = read_metrics(_metrics(state))
-    assert [r["step"] for r in records] == list(range(1, 91))
+    assert [r["step"] for r in records] == list(range(1, 61))
     assert all(r["version"] == r["step"] for r in records)
     delivered = records[-1]["delivered"]
     assert all(delivered.get(p.info["peer_id"], 0) > 0 for p in peers), delivered
@@ -88,11 +88,11 @@ def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_mo
     last = sum(r["reward_mean"] for r in records[-20:]) / 20
     assert last > first, f"reward did not rise: {first:.3f} -> {last:.3f}"
     assert (state / "run" / "final" / "model.safetensors").is_file()
-    assert (state / "run" / "checkpoints" / "step-00000090" / "state" / ".metadata").is_file()
+    assert (state / "run" / "checkpoints" / "step-00000060" / "state" / ".metadata").is_file()
     # They hold the last versions the two ranks published. The last one is published as the learner
     # exits: a peer still fetching it then gets it only from the other peer, or not at all.
-    wait_until(lambda: all(http_json(p.info["chunk_url"] + "/v1/info")["version"] >= 89 for p in peers), 30,
-               what="both peers to hold v89 or later")
+    wait_until(lambda: all(http_json(p.info["chunk_url"] + "/v1/info")["version"] >= 59 for p in peers), 30,
+               what="both peers to hold v59 or later")
 
 
 def _wait_checkpoint(state: Path, step: int, learner: DaemonProcess) -> None:
@@ -117,7 +117,7 @@ def _stops_whole(learner: ShardedLearner, tree: set[int], victim: int) -> None:
 def test_a_killed_rank_stops_the_learner_which_resumes_with_one_and_two_ranks(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ) -> None:
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=40, checkpoint_every=10)
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=20, checkpoint_every=5)
     local_swarm.bootstrap()
     state = tmp_path / "learner"
     learner = _start_sharded(local_swarm, "learner-w2", config, 2, state)
@@ -127,46 +127,46 @@ def test_a_killed_rank_stops_the_learner_which_resumes_with_one_and_two_ranks(
         local_swarm.ready(d, timeout=180)
     pids = [p.pid for p in peers]
 
-    # 1. W=2, rank 1 (a training-only rank) killed after the step-10 checkpoint.
-    _wait_checkpoint(state, 10, learner)
+    # 1. W=2, rank 1 (a training-only rank) killed after the step-5 checkpoint.
+    _wait_checkpoint(state, 5, learner)
     rank0, rank1 = learner.ranks()
     _stops_whole(learner, descendants(learner.pid), rank1)
     records = read_metrics(_metrics(state))
     published, seen = max(r["published_version"] for r in records), len(records)
 
-    # 2. One process resumes from the W=2 checkpoint; killed after step 20's.
+    # 2. One process resumes from the W=2 checkpoint; killed after step 10's.
     single = local_swarm.start("learner-w1", "--config", str(config), state_dir=state)
     local_swarm.ready(single, timeout=180)
-    _wait_checkpoint(state, 20, single)
+    _wait_checkpoint(state, 10, single)
     single.kill()
     records = read_metrics(_metrics(state))
     resumed = records[seen:]
-    assert resumed[0]["step"] == 11, "one process resumes after the two ranks' checkpoint"
+    assert resumed[0]["step"] == 6, "one process resumes after the two ranks' checkpoint"
     assert min(r["version"] for r in resumed) > published, "versions continue strictly upward"
     published, seen = max(r["published_version"] for r in records), len(records)
 
-    # 3. Two ranks resume from the single process's checkpoint; rank 0 (the daemon) killed after step 30's.
+    # 3. Two ranks resume from the single process's checkpoint; rank 0 (the daemon) killed after step 15's.
     learner = _start_sharded(local_swarm, "learner-w2-again", config, 2, state)
     local_swarm.ready(learner, timeout=180)
-    _wait_checkpoint(state, 30, learner)
+    _wait_checkpoint(state, 15, learner)
     rank0, rank1 = learner.ranks()
     tree = descendants(learner.pid)
     p2pd = set(child_pids(rank0))  # a SIGKILLed daemon cannot stop its p2pd (as with one process)
     local_swarm._children.update(p2pd)
     _stops_whole(learner, tree - p2pd, rank0)
     records = read_metrics(_metrics(state))
-    assert records[seen]["step"] == 21, "two ranks resume after the single process's checkpoint"
+    assert records[seen]["step"] == 11, "two ranks resume after the single process's checkpoint"
     assert min(r["version"] for r in records[seen:]) > published
     published, seen = max(r["published_version"] for r in records), len(records)
 
-    # 4. Two ranks again: resume at step 31 and finish.
+    # 4. Two ranks again: resume at step 16 and finish.
     final = _start_sharded(local_swarm, "learner-w2-last", config, 2, state)
     local_swarm.ready(final, timeout=180)
     assert final.proc is not None
     final.proc.wait(300)
     assert final.proc.returncode == 0, final.log_tail(60)
     records = read_metrics(_metrics(state))
-    assert [r["step"] for r in records[seen:]] == list(range(31, 41))
+    assert [r["step"] for r in records[seen:]] == list(range(16, 21))
     assert min(r["version"] for r in records[seen:]) > published
     assert (state / "run" / "final" / "model.safetensors").is_file()
     assert [p.pid for p in peers] == pids and all(p.running() for p in peers), "rollout peers stayed"

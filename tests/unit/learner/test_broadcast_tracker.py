@@ -149,3 +149,45 @@ def test_plans_order_peers_by_measured_uplink_within_their_caps() -> None:
 
     chains = json.loads(plan)
     assert HONEST in json.dumps(chains)
+
+
+def test_only_delivered_groups_make_a_peer_proven_and_the_rest_plan_after_it_whatever_they_claim() -> None:
+    """A fresh key claiming an uncapped uplink (or merely answered when it asked for work) never heads a
+    chain ahead of a peer that delivered; the tracker tells the overlay who delivered, and its roster says so."""
+    import asyncio
+    import json
+
+    from echo2swarm.overlay.roster import ASKED, WorkLog
+
+    class Overlay(FakeOverlay):
+        def __init__(self) -> None:
+            self.work = WorkLog(capacity=64, horizon_s=90.0)
+            self.stored: list[set[str]] = []
+
+        def worked(self) -> set[str]:
+            return set(self.work.worked())
+
+        def saw_work(self, peer: str, kind: str) -> None:
+            self.work.saw(peer, kind)
+
+        async def store_roster(self, exclude: set[str]) -> object:
+            self.stored.append(exclude)
+            return type("Roster", (), {"peers": self.work.entries(exclude)})()
+
+    overlay = Overlay()
+    delivered = {HONEST: 0}
+    tracker = BroadcastTracker(overlay, PolicyKey.generate(), seeds=2, refresh_s=1.0, ewma_alpha=0.3, clock=Clock(),  # type: ignore[arg-type]
+                               excluded=lambda: {SILENT}, delivered=lambda: delivered)
+    rogue = card(SLOW, {}).model_copy(update={"uplink_bps": None, "upload_bps": None})  # claims uncapped
+    tracker.observe([rogue, card(HONEST, {}).model_copy(update={"uplink_bps": 1_000_000})])
+    overlay.work.saw(SLOW, ASKED)
+    tracker.note_deliveries()
+    assert overlay.worked() == set()  # nobody delivered yet: the claims order the plan
+    assert json.loads(tracker.plan(1))["stripes"][0][0] == SLOW
+    delivered[HONEST] = 3
+    tracker.note_deliveries()
+    assert overlay.worked() == {HONEST}
+    stripes = json.loads(tracker.plan(2))["stripes"]
+    assert stripes == [[HONEST, SLOW]]  # (two peers: one stripe, so the tail heads none)
+    asyncio.run(tracker.publish_roster())
+    assert overlay.stored == [{SILENT}]  # the banned are left off the roster

@@ -12,11 +12,11 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.dht_keys import peers_key
+from echo2swarm.overlay.dht_keys import card_key, peers_key, roster_key
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.validation import SwarmRecordValidator, key_id
 from echo2swarm.wire.peer_keys import PeerKey
-from echo2swarm.wire.records import MAX_CARD_BYTES, PeerCard
+from echo2swarm.wire.records import MAX_CARD_BYTES, PeerCard, RosterEntry, RosterRecord
 from echo2swarm.wire.signing import DOMAIN_CARD
 
 SWARM = "demo"
@@ -144,12 +144,21 @@ def test_verdicts_are_cached_but_every_refusal_counts(validator: SwarmRecordVali
 
 # -- bounded reads -----------------------------------------------------------------------------
 class _FakeNode:
-    def __init__(self, entries: dict[str, tuple[dict, float]]):
-        self.entries = entries
+    """What the DHT returns per key: `entries` under the shared peers key, `keys` under any other."""
 
-    async def get(self, key: str, latest: bool = False) -> SimpleNamespace:
-        items = {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in self.entries.items()}
-        return SimpleNamespace(value=items)
+    def __init__(self, entries: dict[str, tuple[dict, float]], keys: dict[str, dict[str, tuple[dict, float]]] | None = None):
+        self.entries = entries
+        self.keys = keys or {}
+        self.asked: list[str] = []
+
+    async def get_many(self, keys: list[str], sufficient_expiration_time: float | None = None) -> dict:
+        self.asked += keys
+        out = {}
+        for key in keys:
+            entries = self.entries if key == peers_key(SWARM) else self.keys.get(key)
+            items = None if entries is None else {k: SimpleNamespace(value=v, expiration_time=e) for k, (v, e) in entries.items()}
+            out[key] = None if items is None else SimpleNamespace(value=items)
+        return out
 
 
 class _FakeP2P:
@@ -176,7 +185,7 @@ def test_get_cards_is_bounded_and_keeps_preferred_worked_and_newest_peers() -> N
     entries[learner.peer_id] = _signed(learner, age_s=50.0, role="learner")
     entries["garbage"] = ({"peer_id": "nope"}, time.time() + 30)
     overlay = _overlay(entries, max_cards=8)
-    overlay.saw_work(worker.peer_id)
+    overlay.saw_work(worker.peer_id, "delivered")
     cards, bad = asyncio.run(overlay.get_cards(prefer=[learner.peer_id]))
     ids = {c.peer_id for c in cards}
     assert len(cards) == 8
@@ -200,3 +209,83 @@ def test_get_cards_refuses_what_the_validator_would() -> None:
     entries = {good.peer_id: _signed(good), bad.peer_id: (dict(value, price=0.0), expiry)}
     cards, refused_count = asyncio.run(_overlay(entries, max_cards=8).get_cards())
     assert [c.peer_id for c in cards] == [good.peer_id] and refused_count == 1
+
+
+# -- reads that name peers: own keys and rosters (overlay/cards.py) --------------------------------
+def _own(key: PeerKey, **fields: object) -> dict[str, dict[str, tuple[dict, float]]]:
+    """What the DHT holds under `key`'s own card key."""
+    return {card_key(SWARM, key.peer_id): {key.peer_id: _signed(key, **fields)}}
+
+
+def _roster_of(signer: PeerKey, peers: list[PeerKey]) -> dict[str, dict[str, tuple[dict, float]]]:
+    entries = [RosterEntry(peer_id=k.peer_id, work=["delivered"], seen_ms=int(time.time() * 1000)) for k in peers]
+    roster = RosterRecord(peer_id=signer.peer_id, peers=entries, updated_ms=int(time.time() * 1000)).signed(signer, SWARM, 60)
+    return {roster_key(SWARM, signer.peer_id): {signer.peer_id: (roster.model_dump(mode="json"), roster.expires_ms / 1000)}}
+
+
+def _flooded(n: int) -> dict[str, tuple[dict, float]]:
+    return {k.peer_id: _signed(k) for k in (PeerKey.generate() for _ in range(n))}  # newest of all
+
+
+def test_a_flood_under_the_shared_key_hides_no_peer_a_reader_has_reason_to_trust() -> None:
+    learner, delivering, on_roster, asker = (PeerKey.generate() for _ in range(4))
+    keys = {**_own(learner, role="learner"), **_own(delivering), **_own(on_roster), **_own(asker),
+            **_roster_of(learner, [on_roster])}
+    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=8)
+    node = _FakeNode(_flooded(40), keys)  # none of them in the shared key (the reply carried only the flood)
+    overlay = Overlay(config, _FakeP2P(), node, SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
+    overlay.saw_work(delivering.peer_id, "delivered")
+    overlay.work.saw(asker.peer_id, "asked")
+    cards, bad = asyncio.run(overlay.get_cards(prefer=[learner.peer_id]))
+    order = [learner, delivering, on_roster, asker]
+    assert [c.peer_id for c in cards[:4]] == [k.peer_id for k in order] and len(cards) == 8 and bad == 0
+    assert overlay.cards.rosters[learner.peer_id].peers[0].peer_id == on_roster.peer_id
+    # Only the preferred peers' rosters are read: a reader names no one on a stranger's say-so.
+    assert roster_key(SWARM, delivering.peer_id) not in node.asked
+
+
+def test_only_the_signers_roster_counts_and_junk_under_a_peers_own_key_is_ignored() -> None:
+    learner, attacker, honest = PeerKey.generate(), PeerKey.generate(), PeerKey.generate()
+    fakes = [PeerKey.generate() for _ in range(3)]
+    theirs = _roster_of(attacker, fakes)[roster_key(SWARM, attacker.peer_id)][attacker.peer_id]
+    keys = {**_own(learner, role="learner"), **_own(honest), **{k2: v for k in fakes for k2, v in _own(k).items()}}
+    # Under the learner's roster key: the attacker's roster under its own subkey, and junk beside it.
+    keys[roster_key(SWARM, learner.peer_id)] = {attacker.peer_id: theirs, "junk": ({"x": 1}, time.time() + 30)}
+    keys[card_key(SWARM, honest.peer_id)]["junk"] = ({"peer_id": "nope"}, time.time() + 30)
+    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=8)
+    overlay = Overlay(config, _FakeP2P(), _FakeNode({}, keys), SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
+    overlay.saw_work(honest.peer_id, "served")
+    cards, bad = asyncio.run(overlay.get_cards(prefer=[learner.peer_id]))
+    assert [c.peer_id for c in cards] == [learner.peer_id, honest.peer_id] and bad == 0
+    assert overlay.cards.rosters == {}
+
+
+def test_a_flooded_shared_key_is_read_once_per_ttl_and_named_cards_stay_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    import echo2swarm.overlay.cards as cards_module
+
+    now = [1000.0]
+    monkeypatch.setattr(cards_module.time, "monotonic", lambda: now[0])
+    worker = PeerKey.generate()
+    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=8)
+    node = _FakeNode(_flooded(20), _own(worker))
+    overlay = Overlay(config, _FakeP2P(), node, SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
+    overlay.saw_work(worker.peer_id, "delivered")
+
+    def read() -> list[str]:
+        node.asked.clear()
+        return [c.peer_id for c in asyncio.run(overlay.get_cards())[0]]
+
+    first = read()
+    assert peers_key(SWARM) in node.asked and first[0] == worker.peer_id and len(first) == 8
+    now[0] += config.record_ttl_s / 2
+    assert read() == first and peers_key(SWARM) not in node.asked  # the kept cards, not another flooded reply
+    assert card_key(SWARM, worker.peer_id) in node.asked  # named peers are read afresh by their own keys
+    now[0] += config.record_ttl_s
+    read()
+    assert peers_key(SWARM) in node.asked
+    # An honest swarm's shared key (no more cards than a reader keeps) is read at every call.
+    quiet = _overlay({k: v for k, v in list(_flooded(5).items())}, max_cards=8)
+    for _ in range(2):
+        quiet.node.asked.clear()  # type: ignore[attr-defined]
+        asyncio.run(quiet.get_cards())
+        assert quiet.node.asked == [peers_key(SWARM)]  # type: ignore[attr-defined]

@@ -113,7 +113,8 @@ def test_stubs_and_servers_derived_from_one_declaration_agree_over_libp2p() -> N
             with pytest.raises(TypeError, match="rpc_sum streams a sequence of Ping"):
                 await stub.sum(Ping(n=1), timeout=10)
             assert demo.callers == [b.peer_id, b.peer_id]  # the id libp2p authenticated
-            assert b.peer_id in a.worked()  # answered callers are observed (Overlay.saw_work)
+            # An answered caller asked for work (its card is read by name), but asking is not working.
+            assert b.peer_id in a.work.asked() and b.peer_id not in a.worked()
 
             # The learner's surface, served from a real Intake as the learner serves it.
             intake = make_intake(staleness=1, prompts_per_step=2)  # capacity 4 prompts: two leases of 2

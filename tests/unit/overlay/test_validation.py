@@ -172,7 +172,7 @@ def test_oversized_value_under_an_unknown_key(validator: SwarmRecordValidator) -
 
 
 def test_value_of_exactly_the_limit_under_an_unknown_key(validator: SwarmRecordValidator) -> None:
-    record = DHTRecord(key_id("someone-else/stuff"), DHTProtocol.IS_REGULAR_VALUE, b"x" * MAX_RECORD_BYTES, EXPIRES)
+    record = DHTRecord(key_id("someone-else/stuff"), dumps("sub"), b"x" * MAX_RECORD_BYTES, EXPIRES)
     assert_accepted(validator, record)
 
 
@@ -184,9 +184,15 @@ def test_record_under_our_key_without_a_string_subkey(
     assert_refused(validator, record, caplog, "without a string subkey")
 
 
-def test_small_value_under_an_unrelated_key_is_accepted(validator: SwarmRecordValidator) -> None:
-    assert_accepted(validator, DHTRecord(key_id("other/key"), DHTProtocol.IS_REGULAR_VALUE, dumps({"any": "thing"}), EXPIRES))
+def test_small_dictionary_entry_under_an_unrelated_key_is_accepted(validator: SwarmRecordValidator) -> None:
     assert_accepted(validator, DHTRecord(key_id("other/key"), dumps("sub"), b"\xc1 not even msgpack", EXPIRES))
+
+
+def test_plain_values_are_refused_under_every_key(validator: SwarmRecordValidator) -> None:
+    # A plain value would replace a per-peer card or roster dictionary that expires sooner, and the
+    # validator cannot tell those keys from any other by their hash alone.
+    for key in ("other/key", "demo/card/12D3KooWAnyPeerWhateverItIs1234567890abcdefghij"):
+        assert not validator.validate(DHTRecord(key_id(key), DHTProtocol.IS_REGULAR_VALUE, dumps({"a": 1}), EXPIRES))
 
 
 def test_other_swarms_keys_are_not_ours(key: PolicyKey) -> None:
@@ -223,3 +229,30 @@ def test_head_kept_past_its_signed_expiry_is_refused(validator: SwarmRecordValid
     assert validator.validate(replay) is False
     fresh = DHTRecord(key_id(head_key(SWARM)), dumps(h.public_key), dumps(h.model_dump(mode="json")), EXPIRES)
     assert validator.validate(fresh) is True
+
+
+def test_cards_and_rosters_under_their_own_peer_keys_are_checked_like_shared_cards(validator: SwarmRecordValidator) -> None:
+    from echo2swarm.overlay.dht_keys import card_key, roster_key
+    from echo2swarm.wire.peer_keys import PeerKey
+    from echo2swarm.wire.records import RosterRecord
+
+    owner, other = PeerKey.generate(), PeerKey.generate()
+    expires = time.time() + 30  # within the cards' signed 30 s
+    mine = PeerCard(peer_id=owner.peer_id, role="rollout", price=0.1, state="ready", software="0.1",
+                    updated_ms=int(time.time() * 1000)).signed(owner, SWARM, 30).model_dump(mode="json")
+    at = DHTRecord(key_id(card_key(SWARM, owner.peer_id)), dumps(owner.peer_id), dumps(mine), expires)
+    assert validator.kind(at) == "card"
+    assert_accepted(validator, at)
+    # Another peer's (valid) card under this peer's key and subkey: refused, as under the shared key.
+    theirs = dict(mine, peer_id=other.peer_id)
+    assert not validator.validate(DHTRecord(at.key, at.subkey, dumps(theirs), expires))
+    unsigned = dict(mine, price=0.0)
+    assert not validator.validate(DHTRecord(at.key, at.subkey, dumps(unsigned), expires))
+    # Junk under another subkey of the same key is not ours to judge (only size-checked): readers skip it.
+    assert validator.kind(DHTRecord(at.key, dumps("junk"), b"x", expires)) is None
+    roster = RosterRecord(peer_id=owner.peer_id, updated_ms=int(time.time() * 1000)).signed(owner, SWARM, 30)
+    at_roster = DHTRecord(key_id(roster_key(SWARM, owner.peer_id)), dumps(owner.peer_id),
+                          dumps(roster.model_dump(mode="json")), expires)
+    assert validator.kind(at_roster) == "roster"
+    assert_accepted(validator, at_roster)
+    assert not validator.validate(DHTRecord(at_roster.key, at_roster.subkey, dumps(mine), expires))

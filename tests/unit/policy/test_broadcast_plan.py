@@ -236,3 +236,15 @@ def test_nat_peers_read_from_cards_are_bounded_claims() -> None:
     cards = [card(PEERS[0], "relayed", [circuit, circuit.replace("udp/1/quic-v1", "tcp/2")], ["quic"]),
              card(PEERS[1], "public", ["/ip4/11.0.0.11/tcp/1"], []), card(PEERS[2], "private", [], [])]
     assert nat_peers(cards) == {PEERS[0]: NatPeer((relay,), True), PEERS[2]: NatPeer((), False)}
+
+
+def test_peers_seen_working_come_first_within_their_nat_tier_whatever_the_others_claim() -> None:
+    from echo2swarm.policy.broadcast_plan import NatPeer
+
+    receivers = [(PEERS[0], None), (PEERS[1], 1_000), (PEERS[2], 5_000), (PEERS[3], None)]
+    assert plan_chains(receivers, seeds=1)[0] == [PEERS[0], PEERS[3], PEERS[2], PEERS[1]]
+    proven = {PEERS[1], PEERS[2]}
+    assert plan_chains(receivers, seeds=1, proven=proven)[0] == [PEERS[2], PEERS[1], PEERS[0], PEERS[3]]
+    # Behind NAT without hole punching, a proven peer still goes after the public ones (who can be dialled).
+    nat = {PEERS[2]: NatPeer(relays=(PEERS[7],))}
+    assert plan_chains(receivers, seeds=1, proven=proven, nat=nat)[0] == [PEERS[1], PEERS[0], PEERS[3], PEERS[2]]

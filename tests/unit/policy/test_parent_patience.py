@@ -20,7 +20,7 @@ from echo2swarm.policy.fetcher import PolicyFetcher
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.sources import Progress, SourceMissing
 from echo2swarm.policy.store import ChunkStore
-from tests.unit.policy.test_source_bans import FakeSource
+from helpers.sources import FakeSource
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,6 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher, SourceBans
 from echo2swarm.policy.sources import (
     HttpSource,
-    Progress,
     MinRate,
     SourceError,
     SourceOversized,
@@ -32,6 +31,7 @@ from echo2swarm.policy.sources import (
 )
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.store import ChunkStore
+from helpers.sources import FakeSource
 
 
 class Clock:
@@ -227,27 +227,6 @@ def test_the_ban_list_is_bounded():
 
 # -- the fetcher: bans outlive a version fetch ------------------------------------------------------
 
-class FakeSource:
-    def __init__(self, name: str, data: dict[str, bytes], fault: type[SourceError] | None = None):
-        self.name, self.peer_id = name, name
-        self.data = data
-        self.fault = fault
-        self.asked: list[str] = []
-
-    async def manifest(self, version: int, max_bytes: int, progress: Progress | None = None) -> bytes:
-        raise NotImplementedError
-
-    async def plan(self, version: int, max_bytes: int) -> bytes:
-        raise NotImplementedError
-
-    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
-                    progress: Progress | None = None) -> bytes:
-        self.asked.append(ref.sha256)
-        if self.fault is not None:
-            raise self.fault(f"{self.name}: {self.fault.__name__}")
-        return self.data[ref.sha256]
-
-
 def _version(version: int, count: int) -> tuple[Manifest, dict[str, bytes]]:
     blobs = [f"v{version} chunk {i} ".encode() * 50 for i in range(count)]
     data = {hashlib.sha256(b).hexdigest(): b for b in blobs}
@@ -320,3 +299,13 @@ def test_a_route_of_banned_peers_only_fails_at_once(tmp_path: Path):
     fetcher.bans.strike("relay:x", "slow")
     with pytest.raises(FetchError, match="banned or gone"):
         asyncio.run(fetcher.fetch_chunks(v1, lambda i, ref: [(FakeSource("relay:x", {}), 0.0)]))
+
+
+def test_peers_whose_chunks_verified_are_reported_as_having_served_and_liars_are_not(tmp_path: Path):
+    served: list[str] = []
+    fetcher = PolicyFetcher(FetchConfig(parallel_chunks=1), ChunkStore(tmp_path), served=served.append)
+    v1, data1 = _version(1, 3)
+    liar = FakeSource("relay:liar", {h: b"x" + b[1:] for h, b in data1.items()})
+    honest = FakeSource("relay:honest", data1)
+    asyncio.run(fetcher.fetch_chunks(v1, lambda i, ref: [(liar, 0.0), (honest, 0.0)], publisher="learner:llll"))
+    assert served == ["relay:honest"] * 3

@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers.protocol_doc import sampler_vectors
 
-from echo2swarm.train.sampling import choice_gaps, gumbel_noise, nucleus, sample_seeded, uniform_bits
+from echo2swarm.train import sampling
+from echo2swarm.train.sampling import choice_gaps, gumbel_noise, nucleus, sample_seeded, seeded_choice, uniform_bits
 from echo2swarm.wire import sampling as reference
 
 G_TOLERANCE = 2.0**-19  # how far float32 logs may move g between implementations (protocol.md §10.7)
@@ -45,6 +46,31 @@ def test_torch_gives_the_documented_vectors() -> None:
         words, noise = keyed([(row["k0"], row["k1"], row["t"])], row["v"] + 1)
         assert int(words[0, row["v"]]) == row["x"]
         assert abs(float(noise[0, row["v"]]) - row["g"]) <= G_TOLERANCE
+
+
+def test_the_noise_does_not_depend_on_the_cpu_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(5)
+    rows = [(rng.getrandbits(32), rng.getrandbits(32), rng.randrange(2**32)) for _ in range(5)]
+    whole = keyed(rows, 1000)[1]
+    monkeypatch.setattr(sampling, "CPU_BLOCK_ELEMENTS", 5 * 37)  # 37 columns a block, the last one short
+    assert torch.equal(keyed(rows, 1000)[1], whole)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.3])
+def test_the_engines_choice_is_sample_seeded_with_the_whole_noise(top_p: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # seeded_choice draws the noise block by block (top_p = 1) or of the nucleus only (top_p < 1):
+    # the same tokens as the full noise gives, peaked rows and flat ones, over several blocks.
+    monkeypatch.setattr(sampling, "CPU_BLOCK_ELEMENTS", 40 * 97)
+    gen = torch.Generator().manual_seed(8)
+    rows, vocab = 40, 3000
+    scaled = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.1, 12.0, rows).unsqueeze(1)
+    rng = random.Random(6)
+    k0, k1, t = (torch.tensor(c, dtype=torch.long)
+                 for c in zip(*[(rng.getrandbits(32), rng.getrandbits(32), rng.randrange(500)) for _ in range(rows)]))
+    expected, expected_logprobs = sample_seeded(scaled.clone(), gumbel_noise(k0, k1, t, vocab), top_p)
+    tokens, logprobs = seeded_choice(scaled, k0, k1, t, top_p)
+    assert tokens.tolist() == expected.tolist()
+    assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])

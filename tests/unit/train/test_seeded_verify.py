@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.verify_lab import Lab
+from helpers.verify_lab import Lab, write_peaked_model
 
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.models.tiny import write_tiny_model
@@ -30,18 +30,9 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its final norm scaled up 6x: next-token distributions as peaked as a trained
-    model's, so that sampling otherwise changes choices (the untrained model is nearly uniform)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """The tiny model with its final norm scaled up 6x, so that sampling otherwise changes choices."""
     plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
-    out = tmp_path_factory.mktemp("peaked") / "model"
-    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(6.0)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(plain).save_pretrained(out)
-    return out
+    return write_peaked_model(plain, tmp_path_factory.mktemp("peaked") / "model", 6.0)
 
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

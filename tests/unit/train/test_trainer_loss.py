@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from echo2swarm.train.grpo import token_logprobs
 from echo2swarm.train.group import Group
 from echo2swarm.train.trainer import GRPOTrainer
 from echo2swarm.train.updates import merge_updates
-from helpers.groups import make_groups
+from helpers.groups import make_groups, with_own_logprobs
 
 UNVERIFIED = VerifyConfig(enabled=False)
 
@@ -27,18 +26,7 @@ def _stale(trainer: GRPOTrainer, groups: list[Group], seed: int = 0) -> list[Gro
     """The groups with behaviour logprobs 0.1 nats above to 0.5 below the trainer's own: importance
     weights exp(proximal - behaviour) from 0.9 to 1.65, on both sides of a cap of 1.2."""
     rng = random.Random(seed)
-    batch = trainer.build_batch(groups)
-    with torch.no_grad():
-        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    out, row = [], 0
-    for group in groups:
-        behaviour = []
-        for completion in group.completions:
-            own = lp[row, lp.shape[1] - len(completion):].tolist()
-            behaviour.append([v - rng.uniform(-0.1, 0.5) for v in own])
-            row += 1
-        out.append(replace(group, behaviour_logprobs=behaviour))
-    return out
+    return with_own_logprobs(trainer, groups, lambda v: v - rng.uniform(-0.1, 0.5))
 
 
 def _first_update_gradient(model_dir: Path, groups: list[Group], **fields) -> torch.Tensor:

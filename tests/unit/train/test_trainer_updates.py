@@ -3,7 +3,6 @@ and the off-policy gap is measured and (optionally) acted on."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,30 +11,15 @@ import torch
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.grpo import LossOptions, grpo_loss, token_logprobs
 from echo2swarm.train.trainer import GRPOTrainer
-from helpers.groups import make_groups
+from helpers.groups import make_groups, with_own_logprobs
 
 UNVERIFIED = VerifyConfig(enabled=False)
-
-
-def _with_own_logprobs(trainer: GRPOTrainer, groups, shift: float = 0.0):
-    """The groups with behaviour logprobs equal to the trainer's own policy (+ `shift`): on-policy data."""
-    batch = trainer.build_batch(groups)
-    with torch.no_grad():
-        lp = token_logprobs(trainer.model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    out, row = [], 0
-    for group in groups:
-        behaviour = []
-        for completion in group.completions:
-            behaviour.append([float(v) + shift for v in lp[row, lp.shape[1] - len(completion):]])
-            row += 1
-        out.append(replace(group, behaviour_logprobs=behaviour))
-    return out
 
 
 @pytest.mark.timeout(120)
 def test_one_update_never_clips_and_several_do(tiny_model_dir: Path) -> None:
     single = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", lr=5e-2, minibatches=1, ppo_epochs=1), verify=UNVERIFIED)
-    groups = _with_own_logprobs(single, make_groups(single, n_groups=4))
+    groups = with_own_logprobs(single, make_groups(single, n_groups=4))
     stats = single.step(groups, current_version=1)
     assert stats["updates"] == 1
     assert stats["clip_frac"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)
@@ -54,7 +38,7 @@ def test_minibatch_updates_clip_against_the_step_start_policy(tiny_model_dir: Pa
     first update (the proximal policy), which we recompute by hand from a copy of the model."""
     config = TrainConfig(device="cpu", lr=1e-2, minibatches=2, ppo_epochs=1, seed=3)
     trainer = GRPOTrainer(tiny_model_dir, config, verify=UNVERIFIED)
-    groups = _with_own_logprobs(trainer, make_groups(trainer, n_groups=2))
+    groups = with_own_logprobs(trainer, make_groups(trainer, n_groups=2))
     start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     batch = trainer.build_batch(groups)
     with torch.no_grad():
@@ -74,8 +58,8 @@ def test_minibatch_updates_clip_against_the_step_start_policy(tiny_model_dir: Pa
 def test_offpolicy_gap_measured_and_groups_beyond_the_limit_dropped(tiny_model_dir: Path) -> None:
     base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu", minibatches=1, ppo_epochs=1), verify=UNVERIFIED)
     groups = make_groups(base, n_groups=3)
-    near = _with_own_logprobs(base, groups[:2], shift=-0.05)  # behaviour 0.05 nats below proximal
-    far = _with_own_logprobs(base, groups[2:], shift=-1.5)
+    near = with_own_logprobs(base, groups[:2], lambda v: v - 0.05)  # behaviour 0.05 nats below proximal
+    far = with_own_logprobs(base, groups[2:], lambda v: v - 1.5)
     stats = base.step(near + far, current_version=2)  # version 1 data at step 2: stale, decoupled
     assert stats["offpolicy_gap_max"] == pytest.approx(1.5, abs=1e-4)
     assert 0.05 < stats["offpolicy_gap_mean"] < 1.5

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.verify_lab import TASK, Lab
+from helpers.verify_lab import TASK, Lab, write_peaked_model
 from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
@@ -144,15 +144,7 @@ def test_exact_check_catches_logprobs_of_another_version(tiny_model_dir: Path, t
 def sharp_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with its final norm scaled up: peaked next-token distributions, as a trained
     model has, so that text can be far less probable than sampling gives."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("sharp") / "model"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(25.0)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
+    return write_peaked_model(tiny_model_dir, tmp_path_factory.mktemp("sharp") / "model", 25.0)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])

@@ -1,0 +1,209 @@
+"""Bounded reads of the swarm's peer cards: the peers a reader has reason to trust first, by their own keys.
+
+    read(prefer, limit):
+      ┌ the shared key <swarm>/peers: one dictionary in one reply (≤ 4 MiB); while it is flooded,
+      │   read at most once per record_ttl_s, the cards kept from it reused in between
+      └ the rosters of the first MAX_ROSTERS peers in `prefer` (<swarm>/roster/<id>, overlay/roster.py)
+      ─► named, in this order: `prefer`, peers seen working here, the rosters' peers, peers that asked
+         (at most limit/4 of those)
+      ─► each named peer the shared read did not return: read by its own key (<swarm>/card/<id>)
+      ─► named cards first, then the shared read's others: incumbents (returned before), then newest
+      ─► at most `limit` (overlay.max_cards) cards
+
+Anyone can sign cards with fresh keys, so the shared key may hold any number: a reply then carries
+part of it or fails outright (over hivemind's 4 MiB message cap). Nothing a reader needs comes from
+it alone: peers it has evidence for, and the peers on the rosters it trusts, are read by name.
+Ranking happens before parsing, so the cost is bounded by `limit` whatever the DHT returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+from collections import OrderedDict
+from collections.abc import Collection
+from typing import Any
+
+from hivemind.utils.serializer import MSGPackSerializer
+
+from echo2swarm.config.models import OverlayConfig
+from echo2swarm.overlay.dht_keys import card_key, peers_key, roster_key
+from echo2swarm.overlay.roster import WorkLog
+from echo2swarm.overlay.validation import SwarmRecordValidator
+from echo2swarm.runtime.logging import get_logger
+from echo2swarm.wire.records import PeerCard, RecordError, RosterRecord
+
+logger = get_logger(__name__)
+MAX_ROSTERS = 4  # rosters read per call: those of the first peers in `prefer` (the publishers it trusts)
+KEYS_PER_GET = 16  # per-peer keys per DHT query: one key bloated past the reply cap spoils only its batch
+
+Entry = tuple[Any, Any, float]  # (subkey, value, DHT expiration)
+
+
+def dht_time() -> float:
+    return time.time()
+
+
+class CardReader:
+    """Reads cards for one overlay; remembers what it read (addresses, reachability, incumbents)."""
+
+    def __init__(self, config: OverlayConfig, node: Any, validator: SwarmRecordValidator, work: WorkLog):
+        self.config = config
+        self.node = node
+        self.validator = validator
+        self.work = work
+        self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
+        self.rosters: dict[str, RosterRecord] = {}  # signer -> its roster, as the last read that named it found it
+        self._recent: OrderedDict[str, float] = OrderedDict()  # peer id -> monotonic time last returned
+        self.maddrs: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer id -> its newest card's maddrs
+        self.reach: OrderedDict[str, str | None] = OrderedDict()  # peer id -> its newest card's reachability
+        self._shared_kept: list[Entry] = []  # while flooded: the shared read's entries that were kept
+        self._shared_next = float("-inf")  # while flooded: monotonic time the shared key is read again
+        self._flood_logged = float("-inf")
+
+    # -- DHT ---------------------------------------------------------------------------------------
+    async def get_dict(self, key: str) -> list[Entry]:
+        return (await self._get_dicts([key])).get(key, [])
+
+    async def _get_dicts(self, keys: list[str]) -> dict[str, list[Entry]]:
+        """Live entries of each dictionary under `keys` (latest values), queried KEYS_PER_GET keys at a time."""
+        batches = [keys[i:i + KEYS_PER_GET] for i in range(0, len(keys), KEYS_PER_GET)]
+        results = await asyncio.gather(*(self.node.get_many(b, sufficient_expiration_time=float("inf"))
+                                         for b in batches))
+        now = dht_time()
+        out: dict[str, list[Entry]] = {}
+        for found in results:
+            for key, item in found.items():
+                if item is None or not hasattr(item.value, "items"):
+                    continue
+                out[key] = [(subkey, v.value, v.expiration_time) for subkey, v in item.value.items()
+                            if v.expiration_time > now]
+        return out
+
+    # -- parsing -----------------------------------------------------------------------------------
+    def _card(self, entry: Entry) -> PeerCard:
+        subkey, value, expiration = entry
+        if not isinstance(subkey, str):
+            raise RecordError("card under a non-string subkey")
+        card = self.validator.card(subkey, value, MSGPackSerializer.dumps(value))
+        card.check_times(expiration)
+        return card
+
+    def _roster(self, signer: str, entries: list[Entry]) -> RosterRecord | None:
+        for subkey, value, expiration in entries:
+            if subkey != signer:
+                continue  # entries under another subkey are not the signer's (the key's owner cannot stop them)
+            try:
+                roster = self.validator.roster(subkey, value)
+                roster.check_times(expiration)
+                return roster
+            except RecordError as e:
+                logger.debug("ignoring roster of %s: %s", signer[-8:], e)
+        return None
+
+    # -- the read ----------------------------------------------------------------------------------
+    async def read(self, prefer: Collection[str], limit: int) -> tuple[list[PeerCard], int]:
+        swarm = self.config.swarm
+        prefer = list(dict.fromkeys(prefer))
+        signers = prefer[:MAX_ROSTERS]
+        shared_due = time.monotonic() >= self._shared_next
+        fresh, found = await asyncio.gather(
+            self.get_dict(peers_key(swarm)) if shared_due else _nothing(),
+            self._get_dicts([roster_key(swarm, p) for p in signers]),
+        )
+        shared = fresh if shared_due else [e for e in self._shared_kept if e[2] > dht_time()]
+        self.rosters = {s: r for s in signers if (r := self._roster(s, found.get(roster_key(swarm, s), []))) is not None}
+        on_rosters = [e.peer_id for r in self.rosters.values() for e in r.peers]
+        asked = self.work.asked()[: limit // 4]  # identities are free: askers get a share, never the whole room
+        named = list(dict.fromkeys([*prefer, *self.work.worked(), *on_rosters, *asked]))[:limit]
+
+        # Named peers: from a fresh shared read if it returned them, else by their own keys.
+        by_subkey = {e[0]: e for e in fresh if isinstance(e[0], str)}
+        chosen: dict[str, PeerCard] = {}
+        bad = 0
+        missing = []
+        for peer in named:
+            entry = by_subkey.get(peer)
+            try:
+                if entry is None:
+                    raise KeyError(peer)
+                chosen[peer] = self._card(entry)
+            except (KeyError, RecordError):
+                missing.append(peer)
+        if missing:
+            own = await self._get_dicts([card_key(swarm, p) for p in missing])
+            for peer in missing:
+                for entry in own.get(card_key(swarm, peer), []):
+                    if entry[0] != peer:
+                        continue
+                    try:
+                        chosen[peer] = self._card(entry)
+                    except RecordError as e:
+                        bad += 1
+                        logger.debug("ignoring card of %s under its own key: %s", peer[-8:], e)
+        cards = [chosen[p] for p in named if p in chosen]
+
+        # The rest from the shared read: incumbents, then newest `updated_ms` (a date ahead of ours counts as now).
+        others = [e for e in shared if e[0] not in chosen]
+        room = limit - len(cards)
+        now_ms = int(time.time() * 1000)
+
+        def rank(entry: Entry) -> tuple[bool, int]:
+            subkey, value, _ = entry
+            updated = value.get("updated_ms") if isinstance(value, dict) else None
+            updated = min(updated, now_ms) if type(updated) is int else -1
+            return (isinstance(subkey, str) and subkey in self._recent, updated if isinstance(subkey, str) else -2)
+
+        # Up to 2x the room is parsed, so a few bad records at the top cannot crowd out good ones.
+        ranked = heapq.nlargest(2 * room, others, key=rank) if len(others) > room else sorted(others, key=rank, reverse=True)
+        kept: set[Any] = set()
+        refused = 0
+        for entry in ranked:
+            if len(cards) >= limit:
+                break
+            try:
+                cards.append(self._card(entry))
+                kept.add(entry[0])
+            except RecordError as e:
+                refused += 1
+                logger.debug("ignoring peer record %s: %s", str(entry[0])[:16], e)
+        left_out = len(others) - len(kept) - refused
+        if left_out > 0:
+            self.cards_dropped += left_out
+            if time.monotonic() - self._flood_logged >= 60.0:  # once a minute: a flood must not flood the log
+                self._flood_logged = time.monotonic()
+                logger.warning("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d",
+                               len(others) + len(chosen), len(cards), left_out)
+        if shared_due:
+            # Flooded: more cards than anyone keeps, or none at all though named peers' own keys hold
+            # some (a reply over hivemind's message cap fails whole): read it again one TTL later.
+            flooded = len(fresh) > self.config.max_cards or (not fresh and bool(chosen))
+            self._shared_kept = [e for e in fresh if e[0] in kept or e[0] in chosen] if flooded else []
+            self._shared_next = time.monotonic() + self.config.record_ttl_s if flooded else float("-inf")
+        self._remember(cards)
+        return cards, bad + refused
+
+    def _remember(self, cards: list[PeerCard]) -> None:
+        now = time.monotonic()
+        horizon = now - 3 * self.config.record_ttl_s
+        bound = 4 * self.config.max_cards
+        for card in cards:
+            self._recent[card.peer_id] = now
+            self._recent.move_to_end(card.peer_id)
+            self.maddrs[card.peer_id] = tuple(card.maddrs)
+            self.maddrs.move_to_end(card.peer_id)
+            self.reach[card.peer_id] = card.reachability
+            self.reach.move_to_end(card.peer_id)
+        while self._recent and (len(self._recent) > bound or next(iter(self._recent.values())) < horizon):
+            self._recent.popitem(last=False)
+        for memory in (self.maddrs, self.reach):
+            while len(memory) > bound:
+                memory.popitem(last=False)
+
+
+async def _nothing() -> list[Entry]:
+    return []
+
+
+__all__ = ["CardReader", "MAX_ROSTERS"]
