@@ -35,9 +35,12 @@ system-deps:
 	    else echo "$$cmd missing: install it (apt-get install $$deb) for the tests that need it"; fi; }; \
 	done
 
-# --durations=25: CI prints the 25 slowest tests, so a test that grows slow shows up in the next run.
+# --durations=25 and --cpu-report=25: CI prints the 25 slowest tests and the 25 that used the most CPU
+# (their daemons included; tests/conftest.py), so a test that grows slow or hungry shows up in the next run.
+# The suite runs in one process: it is CPU-bound, and two workers (pytest-xdist) save a sixth of its time
+# at the price of starving timing-sensitive swarm tests (docs/benchmarks.md, "Test suite duration").
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25
+	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25 --cpu-report=25
 
 install-vllm: $(VLLM_STAMP)
 
@@ -57,8 +60,9 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests -q -rP -m vllm
 
+# Unit tests start no daemons: two workers (pytest-xdist) share the cores safely.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit -q
+	$(BIN)/python -m pytest tests/unit -q -n 2
 
 demo: $(STAMP)
 	$(BIN)/echo2swarm demo

@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -173,12 +174,61 @@ def _swarms(value: Any) -> list[LocalSwarm]:
     return [m for m in members if isinstance(m, LocalSwarm)]
 
 
+# -- CPU report: `--cpu-report=N` prints the N tests that used the most CPU, their daemons included ----
+# The suite is CPU-bound on 2 cores (pytest-xdist -n 2 keeps them ~90 % busy and saves a sixth of the
+# wall time): what makes it long is CPU seconds, which --durations does not show. A test's CPU is its
+# process's and every child it reaped (daemons, p2pd, torchrun) from its setup to its teardown, so a
+# module's shared daemons count at the teardown of its last test, and a child reaped late where it is.
+_CPU_START = pytest.StashKey[float]()
+_WALL = pytest.StashKey[float]()
+_CPU_REPORT: list[tuple[float, float, str]] = []
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", type=int, default=0, metavar="N",
+                     help="print the N tests that used the most CPU seconds (their daemons included)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_START] = _cpu_seconds()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    cpu = dict(report.user_properties).get("cpu_s")
+    if report.when == "teardown" and cpu is not None:
+        _CPU_REPORT.append((cpu, dict(report.user_properties).get("wall_s", 0.0), report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    count = config.getoption("cpu_report")
+    if not count or not _CPU_REPORT:
+        return
+    total = sum(cpu for cpu, _, _ in _CPU_REPORT)
+    terminalreporter.write_sep("=", f"most CPU: {count} of {len(_CPU_REPORT)} tests, {total:.0f} CPU s in all")
+    for cpu, wall, nodeid in sorted(_CPU_REPORT, reverse=True)[:count]:
+        terminalreporter.write_line(f"{cpu:8.1f} CPU s {wall:7.1f} s {cpu / max(wall, 1e-9):4.1f} cores  {nodeid}")
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
     """A swarm test that fails shows the end of each of its daemons' logs in its report, those of a
     shared swarm included: CI keeps no files, and a failure that shows up once in twenty runs must be
-    readable from that one run."""
+    readable from that one run. Every test's teardown report carries the CPU it used (`--cpu-report`),
+    as user properties: they reach pytest-xdist's controller."""
     report: pytest.TestReport = yield
+    if report.when == "setup":
+        item.stash[_WALL] = report.duration
+    elif report.when == "call":
+        item.stash[_WALL] = item.stash.get(_WALL, 0.0) + report.duration
+    elif report.when == "teardown" and _CPU_START in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_START]))
+        report.user_properties.append(("wall_s", item.stash.get(_WALL, 0.0) + report.duration))
     if report.when == "call" and report.failed:
         seen: set[int] = set()
         for value in getattr(item, "funcargs", {}).values():
