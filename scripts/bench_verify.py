@@ -398,6 +398,9 @@ def main() -> None:
                         help="published weights in the honest and attack phases (auto: the model's own, as the demo)")
     parser.add_argument("--groups-per-hour", type=float, default=18_000,
                         help="a peer's groups per hour for the false alarms per peer-hour (the demo's paced peer)")
+    parser.add_argument("--verify-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a [verify] field for the honest and attack phases, e.g. peer_choice_allowance=0.005 "
+                        "(repeatable; defaults otherwise)")
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
     phases = set(args.phases.split(","))
@@ -434,7 +437,9 @@ def main() -> None:
         if phases & {"honest", "attacks"}:
             sampling = SamplingLab(model_dir, root / "sampling", versions=args.versions, threads=args.threads,
                                    engines=args.engines.split(","), publish_dtype=PUBLISH_DTYPES[args.publish_dtype])
-            verify = VerifyConfig(seed=0)
+            overrides = dict(item.split("=", 1) for item in args.verify_set)
+            verify = VerifyConfig(seed=0, **overrides)  # pydantic parses the values
+            print(f"[verify] for the honest and attack phases: {verify}")
             if "honest" in phases:
                 peers = verify_attacks.honest_phase(sampling, args.engines.split(","), args.honest_groups, verify,
                                                     args.groups_per_hour)

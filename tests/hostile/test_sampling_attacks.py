@@ -67,8 +67,10 @@ def attack_swarm(warm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
     swarm = LocalSwarm(root / "swarm", swarm="t" + str(abs(hash(request.node.nodeid)) % 10**8))
     try:
         # S = 1 as the demo: most groups arrive one version old, where a newcomer's are all re-derived.
+        # Leases of 30 s, not the tests' 5 s: ten daemons share two cores, and an attacker whose leases
+        # lapse is banned for that before verification has judged what it sends.
         config = learner_toml(root / "learner.toml", warm_model_dir, key, steps=2000, prompts_per_step=16,
-                              group_size=8)
+                              group_size=8, sections={"leases": {"timeout_s": 30.0}})
         swarm.bootstrap()
         learner = swarm.start("learner", "--config", str(config))
         honest = swarm.rollout("honest", trust=Path(f"{key}.pub"), env=PACED)
