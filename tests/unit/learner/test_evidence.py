@@ -6,6 +6,7 @@ each test drifts down on what honest engines give, crosses on a steady excess, a
 
 from __future__ import annotations
 
+import math
 import random
 
 from echo2swarm.config.rl import VerifyConfig
@@ -18,21 +19,25 @@ def group(peer: str = "p", *, positions: int = 28, choice: float | None = 0.0, z
 
 
 def test_honest_figures_never_cross_and_a_steady_excess_does() -> None:
-    stats = PeerStatistics(VerifyConfig(), max_peers=16)
+    config = VerifyConfig()
+    stats = PeerStatistics(config, max_peers=16)
     rng = random.Random(0)
     for _ in range(100_000):  # exact choices, z ~ N(0, 0.9): an honest fp32 engine for a long time
         assert stats.observe(group(z=rng.gauss(0.0, 0.9))) is None
-    # A bf16 engine's noise: a small gap now and then, far below the allowance of 0.001 a position.
+    # A bf16 engine's noise: a small gap now and then, far below the allowance a position.
     for _ in range(20_000):
         assert stats.observe(group("bf16", choice=0.04 if rng.random() < 0.1 else 0.0, z=rng.gauss(0, 0.9))) is None
-    # A sampler at another temperature: 0.2 evidence a group on average. Allowance 0.028 a group, threshold 1.
+    # A sampler at another temperature: a steady 0.5 evidence a group (28 positions), above the allowance.
+    net = 0.5 - config.peer_choice_allowance * 28
+    assert net > 0
     crossed = None
-    for n in range(1, 50):
-        crossed = stats.observe(group("hot", choice=0.2, z=0.0))
+    for n in range(1, 200):
+        crossed = stats.observe(group("hot", choice=0.5, z=0.0))
         if crossed:
             break
-    assert crossed is not None and crossed.test == "choices" and n == 6, (n, crossed)
-    assert crossed.groups == 6 and "choices CUSUM" in crossed.describe()
+    expected = math.ceil(config.peer_choice_threshold / net - 1e-9)
+    assert crossed is not None and crossed.test == "choices" and n == expected, (n, expected, crossed)
+    assert crossed.groups == expected and "choices CUSUM" in crossed.describe()
     assert stats.snapshot("hot") is None  # judged: its sums are gone
 
 
