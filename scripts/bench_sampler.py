@@ -86,7 +86,7 @@ def gaps(model: torch.nn.Module, trainer: GRPOTrainer, groups: list[Group], temp
         scored = completion_logits(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                    temperature=temperature)
         return choice_gaps_of(scored, batch.completion_mask, keys_of(groups, seed),
-                              torch.arange(batch.input_ids.shape[0]), top_p=top_p, delta=delta)
+                              torch.arange(batch.input_ids.shape[0]), top_p=top_p, delta=delta)[:2]
 
 
 def logit_spread(engine_model: torch.nn.Module, model: torch.nn.Module, trainer: GRPOTrainer, groups: list[Group],

@@ -209,6 +209,7 @@ def run_forced(run: Path, model: Path, staleness: int, seed: int, steps: int,
             ))
         stats = trainer.step(groups, t)
         stats.pop("refused_groups", None)
+        stats.pop("group_evidence", None)
         published = publish_version(t + 1, published)
         for old in [v for v in snapshots if v < t + 1 - staleness and v != 1]:
             shutil.rmtree(snapshots.pop(old), ignore_errors=True)

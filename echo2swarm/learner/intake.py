@@ -143,9 +143,10 @@ class Intake:
             self.work_freed()
         return bool(expired)
 
-    def strike(self, peer: str, reason: str) -> None:
-        """`peer` sent something an honest peer never sends (here, or found by the trainer's verification)."""
-        ban = self.ledger.strike(peer, reason, self.clock())
+    def strike(self, peer: str, reason: str, conclusive: bool = False) -> None:
+        """`peer` sent something an honest peer never sends (here, or found by the trainer's verification);
+        ``conclusive``: ban it at once (PeerLedger.strike)."""
+        ban = self.ledger.strike(peer, reason, self.clock(), conclusive=conclusive)
         if ban is not None:
             self._banned(peer, ban)
 

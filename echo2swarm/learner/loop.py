@@ -7,7 +7,8 @@
     start: trainer (one process, or rank 0 of W) ─► checkpoint restored ─► first version published
            ─► metrics sinks ─► intake ─► the RPC surface served
     run:   wait for a batch (expire leases, re-issue a departed peer's) ─► step ─► strikes for refused
-           groups ─► publish every κ steps ─► metrics ─► checkpoint every N steps ─► ... ─► final model
+           groups, per-peer tests (evidence.py) ─► publish every κ steps ─► metrics ─► checkpoint every N
+           steps ─► ... ─► final model
 
 Versions: version v is the policy before step v. Step t trains on groups of versions x with
 t − x ≤ S, then the policy becomes version t + 1. A restarted learner resumes from its latest
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from echo2swarm.config.models import LearnerConfig
 from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
+from echo2swarm.learner.evidence import PeerStatistics
 from echo2swarm.learner.checkpoint import load_latest, save_checkpoint
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
@@ -44,7 +46,7 @@ from echo2swarm.runtime.aio import wait_any
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.train.base import Trainer
 from echo2swarm.train.group import Group
-from echo2swarm.train.verify import NonFiniteWeightsError
+from echo2swarm.train.verify import GroupEvidence, NonFiniteWeightsError
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.wire.surfaces import LEARNER_RPC
@@ -72,6 +74,8 @@ class Learner:
         self.publisher = Publisher(config.publish, keep=config.versions_kept, swarm=config.overlay.swarm,
                                    key=self.key, chunks=chunks, versions=versions, peer_id=overlay.peer_id)
         self.ledger = PeerLedger(config.peers)  # who is on probation, capped or banned (intake, trainer, broadcast)
+        # each peer's sequential tests over its verified groups (what one group's check cannot prove)
+        self.statistics = PeerStatistics(config.verify, max_peers=config.peers.max_tracked_peers)
         refresh_s = config.publish.cards_refresh_s or min(2.0, config.overlay.announce_period_s / 2)
         self.broadcast = BroadcastTracker(overlay, self.key, config.publish.seeds, refresh_s=refresh_s,
                                           ewma_alpha=config.activation.ewma_alpha, excluded=lambda: self.ledger.bans.keys(),
@@ -199,7 +203,7 @@ class Learner:
             # and a group too old for it is refused now rather than buffered only to go stale.
             intake.advance(self.version + 1)  # the batch left the buffer: held lease requests can be answered
             stats = await asyncio.to_thread(self.trainer.step, groups, self.version)
-            self._judge(groups, stats.pop("refused_groups", []))
+            self._judge(groups, stats.pop("refused_groups", []), stats.pop("group_evidence", []))
             self.steps_done += 1
             trained_version = self.version
             self.version += 1
@@ -226,9 +230,11 @@ class Learner:
             await self._finish()
             stop.set()  # training is over: the daemon shuts down cleanly
 
-    def _judge(self, groups: list[Group], refused: list[tuple[str, str, str]]) -> None:
+    def _judge(self, groups: list[Group], refused: list[tuple[str, str, str]],
+               evidence: Sequence[GroupEvidence] = ()) -> None:
         """Strikes for groups verification refused (lies), counts for atypical ones; their prompts go out
-        again, to other peers; the rest is verified work, which graduation and activation count."""
+        again, to other peers; each group's evidence to its peer's sequential tests, whose crossing bans;
+        the rest is verified work, which graduation and activation count."""
         assert self.intake is not None
         for peer, prompt_id, reason in refused:
             logger.warning("group %s from %s failed verification (%s): not trained on", prompt_id, peer, reason)
@@ -236,6 +242,13 @@ class Learner:
                 self.ledger.stats["verify_atypical"] += 1
             else:  # logprobs that do not match the behaviour version: a lie
                 self.intake.strike(peer, f"verify_{reason}")
+        for measured in evidence:
+            if self.ledger.banned(measured.peer_id) is not None:
+                continue
+            crossing = self.statistics.observe(measured)
+            if crossing is not None:
+                logger.warning("peer %s failed its sequential test (%s)", crossing.peer_id, crossing.describe())
+                self.intake.strike(crossing.peer_id, "verify_peer_statistics", conclusive=True)
         thrown = {(peer, prompt_id) for peer, prompt_id, _ in refused}
         self.intake.reissue([g for g in groups if (g.peer_id, g.prompt_id) in thrown])
         verified = [g for g in groups if (g.peer_id, g.prompt_id) not in thrown]

@@ -10,13 +10,16 @@ The learner's verification (verify.py) compares a peer's claimed behaviour logpr
 whose z says they are far less probable than sampling gives. With top_p = 1 the two logprobs
 are one tensor: nothing is computed for μ beyond what typicality asks for. For groups drawn with
 a lease's seeded sampler, `choice_gaps_of` re-derives every choice from the same logits
-(train/sampling.py): how far each sent token's perturbed score is below the best in the nucleus.
+(train/sampling.py): how far each sent token's perturbed score is below the best in the nucleus,
+and the evidence those gaps add up to per sequence (what the learner's per-peer test sums,
+learner/evidence.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -147,6 +150,28 @@ def score_logits(
         )
 
 
+class ChoiceGaps(NamedTuple):
+    """Per row of a `choice_gaps_of` call (on the logits' device)."""
+
+    gap: torch.Tensor  # the largest gap of any position (-inf when none is defined)
+    outside: torch.Tensor  # bool: a sent token is surely outside the nucleus
+    evidence: torch.Tensor  # Σ over positions of min(1, (gap / delta)²), 1 for a token surely outside
+    positions: torch.Tensor  # positions re-derived
+
+
+def choice_evidence(gap: torch.Tensor, outside: torch.Tensor, delta: float) -> torch.Tensor:
+    """Per position: min(1, (gap / delta)²), and 1 where the sent token is surely outside the nucleus.
+
+    An honest engine's choice is the argmax up to its numeric noise, so most positions give 0 and the
+    rest a small fraction of delta; a sampler that is not the lease's (another temperature, top_p,
+    model) moves many choices by a fair fraction of delta. Squaring keeps the honest noise's share
+    small; the cap at 1 keeps one position from weighing more than a refusal (docs/protocol.md §10.4.1).
+    With delta = 0 every positive gap counts 1."""
+    gap = gap.clamp(min=0).nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    weight = (gap > 0).float() if delta <= 0 else (gap / delta).square_().clamp_(max=1.0)
+    return torch.where(outside, torch.ones_like(weight), weight)
+
+
 def choice_gaps_of(
     scored: CompletionLogits,
     completion_mask: torch.Tensor,
@@ -156,22 +181,24 @@ def choice_gaps_of(
     top_p: float,
     delta: float,
     chunk_elements: int = CHOICE_CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> ChoiceGaps:
     """Re-derive the seeded sampler's choices of the completion tokens of ``rows`` (``[r]`` long)
     from logits a forward already produced (`choice_gaps` in train/sampling.py, per token).
 
     ``keys`` (``[B, 2]`` int64): each row's key words (k0, k1); a completion's token at index t
-    (0 = its first generated token) gets the noise of position t. Returns, per row of ``rows``
-    (on the logits' device): the largest gap (-inf when none is defined) and whether any sent
-    token is surely outside the nucleus.
+    (0 = its first generated token) gets the noise of position t. Returns, per row of ``rows``,
+    the largest gap, whether a sent token is surely outside the nucleus, the summed
+    `choice_evidence` and the number of positions (`ChoiceGaps`).
     """
     with torch.no_grad():
         logits = scored.logits
         device = logits.device
         gaps = torch.full((len(rows),), -math.inf, device=device)
         outside = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        evidence = torch.zeros(len(rows), device=device)
+        positions = torch.zeros(len(rows), dtype=torch.long, device=device)
         if len(rows) == 0 or logits.shape[1] == 0:
-            return gaps, outside
+            return ChoiceGaps(gaps, outside, evidence, positions)
         vocab, first = logits.shape[-1], scored.first
         rows, keys = rows.to(device), keys.to(device)
         keep = scored.keep[rows, first:]  # [r, n]: the positions scored
@@ -189,7 +216,9 @@ def choice_gaps_of(
                                    top_p, delta)
             gaps.scatter_reduce_(0, local[part], gap, "amax")
             outside[local[part][out]] = True
-        return gaps, outside
+            evidence.scatter_add_(0, local[part], choice_evidence(gap, out, delta))
+        positions.scatter_add_(0, local, torch.ones_like(local))
+        return ChoiceGaps(gaps, outside, evidence, positions)
 
 
 def score_tokens(

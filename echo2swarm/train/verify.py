@@ -1,11 +1,9 @@
 """Check the groups of untrusted rollout peers against the learner's own policy before they train.
 
-A rollout peer's token ids and behaviour logprobs are self-declared (`check_group` in leases.py
-checks only shapes and that logprobs are finite and <= 0): a peer may send absurd logprobs (-1e30
-makes the loss NaN, and NaN spreads into every weight), made-up ones for the right answer, or
-made-up text. `GRPOTrainer.step` runs this module on every batch, before the loss. The checks,
-their reasons and defaults: docs/protocol.md §10.4.1; the honest spread behind the defaults and
-what the checks catch: docs/benchmarks.md ("Verifying peers' groups").
+A rollout peer's token ids and behaviour logprobs are self-declared (leases.py checks shapes only):
+absurd logprobs (-1e30 makes the loss NaN), made-up ones, made-up text, text another sampler chose.
+`GRPOTrainer.step` runs this on every batch, before the loss. Checks, reasons, defaults:
+docs/protocol.md §10.4.1; the measurements behind them: docs/benchmarks.md.
 
 Dataflow (one step at version t; b = the claimed behaviour logprobs, k = t - v the staleness of a
 group of version v)::
@@ -21,8 +19,9 @@ group of version v)::
             (k = 0: the exact check, under the fp32 masters; k > 0: the exact check below decides)
       └─► seeded choices of k = 0 groups, same logits: each sent token's perturbed score (logits / T
             + the lease's noise) within δ of the best in the nucleus ──────── "sample_mismatch"
-      └─► exact check of older groups (a random `sample_fraction`, the suspicious: near a bound,
-            atypical under q, from a peer refused in the last `suspect_steps` steps) and of k = 0
+      └─► exact check of older groups (a random `sample_fraction`; a peer's first `newcomer_groups`;
+            the suspicious: near a bound, atypical under q, from a peer refused, or whose re-derived
+            choices strayed past `suspect_fraction` of δ, in the last `suspect_steps` steps) and of k = 0
             refusals (the masters are not the published cast): version v as published
             (`weights_of`) in a spare model (LRU of `spare_models`): |b - log π_v(x)| past the
             tolerances ─► "exact_mismatch"; the seeded choices under its logits ─► "sample_mismatch"
@@ -32,10 +31,11 @@ group of version v)::
       └─► refused groups' rows leave the objective before the loss; each is reported as
             (peer_id, prompt_id, reason), and its peer's older groups are checked exactly for the
             next `suspect_steps` steps
+      └─► per group measured under its own version, what the per-peer tests add up (`GroupEvidence`,
+            learner/evidence.py): its choice evidence and signed z (below 0: colder than sampling)
 
-Memory: at most `spare_models` extra fp32 copies of the policy on the training device, made on the
-first exact check of an older version; the sampling statistics are computed in row chunks of at
-most `chunk_elements` logits beside the logits the forward already holds.
+Memory: at most `spare_models` fp32 copies of the policy on the training device (the first exact
+check of an older version makes one); sampling statistics in row chunks beside the step's logits.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ logger = get_logger(__name__)
 __all__ = [
     "NO_STRIKE",
     "REASONS",
+    "GroupEvidence",
     "NonFiniteWeightsError",
     "Refusal",
     "VerifyResult",
@@ -134,6 +135,18 @@ class Refusal:
         return (self.peer_id, self.prompt_id, self.reason)
 
 
+@dataclass(frozen=True)
+class GroupEvidence:
+    """What one group adds to its peer's sequential tests (learner/evidence.py): measured under the
+    group's own version only (the step's forward at k = 0, else the exact check), never the proxy."""
+
+    peer_id: str
+    prompt_id: str
+    positions: int  # completion tokens whose seeded choice was re-derived (0: none)
+    choice: float | None  # Σ `choice_evidence` over them; None when the choices were not re-derived
+    z: float | None  # the group's signed typicality z; None when not scored under its own version
+
+
 @dataclass
 class VerifyResult:
     """What `Verifier.check` decided for one batch."""
@@ -145,10 +158,12 @@ class VerifyResult:
     unavailable: int = 0  # groups an exact check was wanted for, whose version's weights were not there
     choices: int = 0  # groups whose seeded choices were re-derived from their own version's logits
     refused: Counter[str] = field(default_factory=Counter)
+    evidence: list[GroupEvidence] = field(default_factory=list)  # the groups measured under their own version
 
     def stats(self) -> dict[str, Any]:
         return {
             "refused_groups": [r.as_tuple() for r in self.refusals],
+            "group_evidence": list(self.evidence),
             "verify_checked": self.checked,
             "verify_exact": self.exact,
             "verify_unavailable": self.unavailable,
@@ -170,6 +185,10 @@ class _Pending:
     want_exact: bool = False
     exact_done: bool = False
     z: float = 0.0  # max of the group z and its sequences' z, under the best distribution available
+    signed_z: float | None = None  # the group's z under its own version (None: only the proxy scored it)
+    choice: float | None = None  # choice evidence of its positions, re-derived under its own version
+    positions: int = 0  # positions re-derived
+    strayed: bool = False  # a re-derived choice strayed past suspect_fraction of δ: its peer becomes a suspect
     seeded: bool = False  # drawn with a sampler the learner knows, with the lease's seed: its choices are checked
     want_choices: bool = False  # its choices are checked against the step's own logits (version t)
     choices_done: bool = False  # its choices were checked under its own version's logits
@@ -207,7 +226,8 @@ class Verifier:
         self.make_spare = make_spare
         self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, LRU order
         self._rng: random.Random = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
-        self._suspects: dict[str, int] = {}  # peer id -> last check() that refused one of its groups
+        self._suspects: dict[str, int] = {}  # peer id -> last check() that refused or doubted one of its groups
+        self._seen: OrderedDict[str, int] = OrderedDict()  # peer id -> groups checked (newcomer_groups), LRU
         self._checks = 0
 
     # -- bounds ------------------------------------------------------------------------------
@@ -280,6 +300,8 @@ class Verifier:
                 p.want_exact = True
             if excess is not None:
                 p.z = self._group_z(excess, variance, r)
+                if k == 0:
+                    p.signed_z = self._signed_z(excess, variance, r)
             if k == 0:
                 p.exact_done = True  # q is version t's own logprob: this was the exact check
                 if keys is not None and p.seeded and p.reason is None:
@@ -288,6 +310,7 @@ class Verifier:
             elif p.reason is None:
                 p.want_exact = (
                     self._rng.random() < cfg.sample_fraction
+                    or self._seen.get(p.group.peer_id, 0) < cfg.newcomer_groups
                     or max_gap > cfg.suspect_fraction * self.token_bound(k)
                     or mean_gap > cfg.suspect_fraction * self.mean_bound(k)
                     or p.z > cfg.typicality_z
@@ -345,6 +368,7 @@ class Verifier:
                     p.detail = f"v{version}: mean |b - e| = {mean_gap:.3g} > {cfg.exact_mean_tolerance:.3g}"
                 if sub_excess is not None:
                     p.z = self._group_z(sub_excess, sub_variance, local)  # under the behaviour version itself
+                    p.signed_z = self._signed_z(sub_excess, sub_variance, local)
             seeded = [p for p in members if p.seeded and p.reason is None]
             if seeded and keys is not None:
                 self._judge_choices(seeded, scored, completion_mask[index], keys[index.cpu()],
@@ -362,6 +386,14 @@ class Verifier:
         for p in pending:
             result.exact += int(p.exact_done)
             result.choices += int(p.choices_done)
+            peer = p.group.peer_id
+            self._seen[peer] = self._seen.pop(peer, 0) + 1
+            if len(self._seen) > 10_000:  # bounded: a forgotten peer is checked as a newcomer again
+                self._seen.popitem(last=False)
+            if p.strayed:
+                self._suspects[peer] = self._checks
+            if p.choice is not None or p.signed_z is not None:
+                result.evidence.append(GroupEvidence(peer, p.group.prompt_id, p.positions, p.choice, p.signed_z))
             if p.reason is not None:
                 result.keep[p.index] = False
                 result.refused[p.reason] += 1
@@ -395,14 +427,16 @@ class Verifier:
         under ``scored``'s logits (``rows``: the members' rows there, in order)."""
         # δ bounds how far an honest engine's logits differ from ours; the scores are logits / T.
         delta = self.config.sample_tolerance / self.temperature
-        gaps, outside = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta)
-        figures = torch.stack([gaps, outside.float()]).cpu()
+        found = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta)
+        figures = torch.stack([found.gap, found.outside.float(), found.evidence, found.positions.float()]).cpu()
         start = 0
         for p in members:
             local = slice(start, start + len(p.rows))
             start += len(p.rows)
             p.choices_done = True
             worst = float(figures[0, local].max())
+            p.choice, p.positions = float(figures[2, local].sum()), int(figures[3, local].sum())
+            p.strayed = worst > self.config.suspect_fraction * delta
             if bool(figures[1, local].any()):
                 p.reason = "sample_mismatch"
                 p.detail = f"{where}a sent token outside the nucleus (δ / T = {delta:.3g})"
@@ -421,6 +455,11 @@ class Verifier:
         variance = torch.where(mask, scores.variance, zero).sum(dim=1)
         both = torch.stack([excess, variance]).cpu()
         return both[0], both[1]
+
+    @staticmethod
+    def _signed_z(excess: torch.Tensor, variance: torch.Tensor, rows: torch.Tensor) -> float:
+        """The group's z, signed: below 0 when its text is more probable than sampling gives (colder)."""
+        return float(excess[rows].sum() / torch.sqrt(variance[rows].sum() + VARIANCE_FLOOR))
 
     @staticmethod
     def _group_z(excess: torch.Tensor, variance: torch.Tensor, rows: torch.Tensor) -> float:

@@ -41,3 +41,25 @@ def test_a_sample_mismatch_is_a_strike_and_two_ban_while_atypical_text_never_is(
     assert intake.ledger.banned(A) is None
     judge(intake, [(A, deliver(intake, A), "sample_mismatch")])
     assert "verify_sample_mismatch (2x)" in intake.ledger.banned(A).reason  # peers.ban_after_verify_failures
+
+
+def test_a_crossed_sequential_test_bans_at_once_and_the_peer_is_told_why() -> None:
+    from echo2swarm.config.rl import VerifyConfig
+    from echo2swarm.learner.evidence import PeerStatistics
+    from echo2swarm.train.verify import GroupEvidence
+    from echo2swarm.wire.work import LeaseWait
+
+    intake = make_intake(staleness=1, prompts_per_step=8, peers=PeersConfig(probation_prompts=8))
+    learner = SimpleNamespace(intake=intake, ledger=intake.ledger, statistics=PeerStatistics(VerifyConfig(), max_peers=64),
+                              activation=SimpleNamespace(on_verified=lambda peers: list(peers)))
+    for n in range(1, 20):  # B: exact choices; A: a steady excess (a sampler at another temperature)
+        groups_b, groups_a = deliver(intake, B), deliver(intake, A)
+        groups = intake.buffer.take(intake.version, intake.buffer.count_usable(intake.version))
+        Learner._judge(learner, groups, [], [GroupEvidence(B, groups_b, 28, 0.0, 0.1),  # type: ignore[arg-type]
+                                             GroupEvidence(A, groups_a, 28, 0.3, 0.1)])
+        if intake.ledger.banned(A):
+            break
+    assert n == 4 and intake.ledger.banned(B) is None  # 0.272 a group past the allowance: 1.0 at the 4th
+    assert intake.ledger.banned(A).reason == "verify_peer_statistics (1x)"
+    reply = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A))
+    assert isinstance(reply, LeaseWait) and reply.done and "verify_peer_statistics" in reply.reason

@@ -119,3 +119,29 @@ def test_unseeded_groups_get_every_other_check_and_no_choice_check(peaked_model_
 
 def test_a_sample_mismatch_is_proof_and_only_atypical_text_is_no_strike() -> None:
     assert "sample_mismatch" in REASONS and NO_STRIKE == {"atypical_text"}
+
+
+def test_evidence_for_the_peer_tests_comes_only_from_a_groups_own_version(peaked_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    lab = attack_lab(peaked_model_dir, tmp_path)  # the lease: T = 1, top_p = 1
+    verifier = lab.verifier(sample_fraction=0.0, newcomer_groups=4)
+    honest = lab.generate(range(700, 704), 1, seed=61, seeded=True)
+    result = lab.check(verifier, honest)  # k = 0: the step's own forward is version 1
+    assert result.refusals == [] and [e.peer_id for e in result.evidence] == ["honest"] * 4
+    assert all(e.choice == 0.0 and e.positions == sum(map(len, g.completions)) and e.z is not None
+               for e, g in zip(result.evidence, honest))
+    hot = lab.generate(range(710, 714), 1, seed=62, seeded=True, temperature=1.3, peer="hot")
+    for g in hot:
+        lab.true_logprobs(g, 1)
+    result = lab.check(verifier, hot)
+    assert sum(e.choice for e in result.evidence) > 4 * 28 * lab.trainer.verify_config.peer_choice_allowance
+
+    lab.train(lab.generate(range(100, 112), 1, seed=63, seeded=True))  # v2: the groups below are one version old
+    # "honest" delivered its newcomer_groups: an older group of it is not re-derived (no sample), and the
+    # proxy's z is no evidence. A newcomer's is, and so is one from "hot", a suspect since its choices strayed.
+    old = lab.generate(range(720, 723), 1, seed=64, seeded=True)
+    old[1].peer_id, old[2].peer_id = "newcomer", "hot"
+    result = lab.check(verifier, old)
+    assert result.refusals == []  # all three are honest groups: only who sent them differs
+    assert {e.peer_id for e in result.evidence} == {"newcomer", "hot"} and result.exact == 2
+    assert all(e.choice is not None and e.z is not None for e in result.evidence)
