@@ -40,7 +40,7 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
 ) -> None:
     swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
     try:
-        boot = swarm.bootstrap(lab.public_host("boot", up_mbit=100, down_mbit=100))
+        swarm.bootstrap(lab.public_host("boot", up_mbit=100, down_mbit=100))
         for extra in ("boot2", "boot3"):  # 4 public peers with the relay, before any home joins
             d = swarm.start(lab.public_host(extra, up_mbit=100, down_mbit=100), extra, "--role", "bootstrap")
             d.wait_ready(90)
