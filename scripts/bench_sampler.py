@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
+from echo2swarm.models.files import write_model_dir  # noqa: E402
 from echo2swarm.models.tiny import write_tiny_model  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402
@@ -140,12 +140,7 @@ class Run:
         return self.root / f"v{version:08d}"
 
     def publish(self) -> None:
-        out = self.dir(self.version)
-        out.mkdir(parents=True)
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                shutil.copy(f, out / f.name)
-        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes(self.publish_dtype))
+        write_model_dir(self.model_dir, self.dir(self.version), self.trainer.weights_bytes(self.publish_dtype))
 
     def follow(self) -> None:
         for engine in self.engines.values():

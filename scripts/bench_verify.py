@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -54,14 +53,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig  # noqa: E402
-from echo2swarm.train.group import Group  # noqa: E402
-from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
-from echo2swarm.train.scoring import VARIANCE_FLOOR, score_tokens  # noqa: E402
-from echo2swarm.train.verify import Verifier  # noqa: E402
+from echo2swarm.models.files import write_model_dir  # noqa: E402
 from echo2swarm.models.tiny import CHARSET  # noqa: E402
 from echo2swarm.rollout.engines.base import SamplingParams  # noqa: E402
 from echo2swarm.rollout.engines.hf import TransformersEngine  # noqa: E402
 from echo2swarm.tasks.arith import ArithTask  # noqa: E402
+from echo2swarm.train.group import Group  # noqa: E402
+from echo2swarm.train.scoring import VARIANCE_FLOOR, score_tokens  # noqa: E402
+from echo2swarm.train.trainer import GRPOTrainer  # noqa: E402
+from echo2swarm.train.verify import Verifier  # noqa: E402
 from echo2swarm.wire.sampling import SAMPLER  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,12 +98,7 @@ class Lab:
 
     def publish(self) -> None:
         """What the learner does after a step: the trainer's weights, with the model's other files."""
-        out = self.version_dir(self.version)
-        out.mkdir(parents=True)
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                shutil.copy(f, out / f.name)
-        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes())
+        write_model_dir(self.model_dir, self.version_dir(self.version), self.trainer.weights_bytes())
 
     def follow(self, version: int) -> None:
         if self.engine_version != version:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import random
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -35,6 +34,7 @@ import torch
 from echo2swarm.config.rl import PeersConfig, TrainConfig, VerifyConfig
 from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.evidence import Z_CLIP, PeerStatistics
+from echo2swarm.models.files import write_model_dir
 from echo2swarm.models.tiny import write_tiny_model
 from echo2swarm.rollout.engines.base import Engine, SamplingParams
 from echo2swarm.tasks.arith import ArithTask
@@ -105,12 +105,7 @@ class SamplingLab:
         return self.dir(version) if self.dir(version).is_dir() else None
 
     def publish(self) -> None:
-        out = self.dir(self.version)
-        out.mkdir(parents=True)
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                shutil.copy(f, out / f.name)
-        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes(self.publish_dtype))
+        write_model_dir(self.model_dir, self.dir(self.version), self.trainer.weights_bytes(self.publish_dtype))
 
     def model(self, version: int) -> torch.nn.Module:
         """Version `version` as published, in an fp32 model (what the exact check reads)."""

@@ -3,13 +3,13 @@ transformers engine that follows them (tests of train/verify.py and the seeded s
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
+from echo2swarm.models.files import write_model_dir
 from echo2swarm.rollout.engines.base import SamplingParams
 from echo2swarm.rollout.engines.hf import TransformersEngine
 from echo2swarm.tasks.arith import ArithTask
@@ -62,12 +62,7 @@ class Lab:
         return self.dir(version) if self.dir(version).is_dir() else None
 
     def publish(self) -> None:
-        out = self.dir(self.version)
-        out.mkdir(parents=True)
-        for f in self.model_dir.iterdir():
-            if f.is_file() and f.suffix != ".safetensors":
-                shutil.copy(f, out / f.name)
-        (out / "model.safetensors").write_bytes(self.trainer.weights_bytes(self.publish_dtype))
+        write_model_dir(self.model_dir, self.dir(self.version), self.trainer.weights_bytes(self.publish_dtype))
 
     def follow(self, version: int) -> None:
         if self.engine_version != version:
