@@ -397,7 +397,7 @@ class VerifyConfig(_Section):
         "whatever their staleness; later ones by sample_fraction and suspicion (protocol.md §10.4.1).",
     )
     peer_choice_allowance: float = Field(
-        0.01, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
+        0.03, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
         "(protocol.md §10.4.1 'Per-peer tests'; honest engines measured: benchmarks.md, 'Attacks on sampling').",
     )
     peer_choice_threshold: float | None = Field(

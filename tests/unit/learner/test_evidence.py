@@ -27,12 +27,12 @@ def test_honest_figures_never_cross_and_a_steady_excess_does() -> None:
     # A bf16 engine's noise: a small gap now and then, far below the allowance a position.
     for _ in range(20_000):
         assert stats.observe(group("bf16", choice=0.04 if rng.random() < 0.1 else 0.0, z=rng.gauss(0, 0.9))) is None
-    # A sampler at another temperature: a steady 0.5 evidence a group (28 positions), above the allowance.
-    net = 0.5 - config.peer_choice_allowance * 28
+    # A sampler at another temperature: a steady 1.2 evidence a group (28 positions), above the allowance.
+    net = 1.2 - config.peer_choice_allowance * 28
     assert net > 0
     crossed = None
     for n in range(1, 200):
-        crossed = stats.observe(group("hot", choice=0.5, z=0.0))
+        crossed = stats.observe(group("hot", choice=1.2, z=0.0))
         if crossed:
             break
     expected = math.ceil(config.peer_choice_threshold / net - 1e-9)

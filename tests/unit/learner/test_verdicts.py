@@ -56,10 +56,10 @@ def test_a_crossed_sequential_test_bans_at_once_and_the_peer_is_told_why() -> No
         groups_b, groups_a = deliver(intake, B), deliver(intake, A)
         groups = intake.buffer.take(intake.version, intake.buffer.count_usable(intake.version))
         Learner._judge(learner, groups, [], [GroupEvidence(B, groups_b, 28, 0.0, 0.1),  # type: ignore[arg-type]
-                                             GroupEvidence(A, groups_a, 28, 0.6, 0.1)])
+                                             GroupEvidence(A, groups_a, 28, 1.16, 0.1)])
         if intake.ledger.banned(A):
             break
-    assert n == 4 and intake.ledger.banned(B) is None  # 0.6 - 28 x 0.01 = 0.32 a group past the allowance: 1.28 at the 4th
+    assert n == 4 and intake.ledger.banned(B) is None  # 1.16 - 28 x 0.03 = 0.32 a group past the allowance: 1.28 at the 4th
     assert intake.ledger.banned(A).reason == "verify_peer_statistics (1x)"
     reply = asyncio.run(intake.rpc_lease(LeaseRequest(max_prompts=1, held_version=5), A))
     assert isinstance(reply, LeaseWait) and reply.done and "verify_peer_statistics" in reply.reason
