@@ -25,7 +25,7 @@ def _synced(swarm: LocalSwarm, model: Path, key: Path) -> tuple:
     relay = swarm.start("relay", "--role", "relay", "--trust", f"{key}.pub")
     swarm.ready(learner)
     swarm.ready(relay)
-    wait_until(lambda: http_json(relay.info["chunk_url"] + "/v1/info")["version"] == 1, 30, what="relay at v1")
+    wait_until(lambda: http_json(relay.info["chunk_url"] + "/v1/info")["version"] == 1, 60, what="relay at v1")
     return learner, relay
 
 
@@ -120,7 +120,7 @@ def test_rogue_learner_with_another_key_is_ignored_by_pinned_peers(
     rogue = joined_swarm.learner(tiny_model_dir, rogue_key, name="rogue")
     joined_swarm.ready(rogue)
     info_url = relay.info["chunk_url"] + "/v1/info"
-    wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 20,
+    wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("untrusted_key", 0) >= 1, 60,
                what="the relay to refuse the rogue head")
     info = http_json(info_url)
     assert info["version"] == 1
@@ -138,12 +138,12 @@ def test_restarted_learner_goes_up_and_a_lower_version_is_refused(
     # Same state dir: the learner resumes with a strictly higher version; the peer follows without restarting.
     again = local_swarm.learner(tiny_model_dir, policy_key, name="learner", state_dir=learner.state_dir)
     local_swarm.ready(again)
-    wait_until(lambda: http_json(info_url)["version"] == 2, 30, what="the relay at v2")
+    wait_until(lambda: http_json(info_url)["version"] == 2, 60, what="the relay at v2")
     again.terminate()
     # A learner that lost its state publishes v1 again: refused as stale, the peer keeps v2 and keeps serving.
     amnesiac = local_swarm.learner(tiny_model_dir, policy_key, name="amnesiac")
     local_swarm.ready(amnesiac)
-    wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("stale_version", 0) >= 1, 20,
+    wait_until(lambda: http_json(info_url)["stats"]["refused_heads"].get("stale_version", 0) >= 1, 60,
                what="the stale head to be refused")
     assert http_json(info_url)["version"] == 2
     assert relay.running()
