@@ -200,9 +200,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    cpu = dict(report.user_properties).get("cpu_s")
-    if report.when == "teardown" and cpu is not None:
-        _CPU_REPORT.append((cpu, dict(report.user_properties).get("wall_s", 0.0), report.nodeid))
+    measured = dict(report.user_properties)
+    if report.when == "teardown" and "cpu_s" in measured:
+        _CPU_REPORT.append((measured["cpu_s"], measured.get("wall_s", 0.0), report.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -32,8 +32,8 @@ from echo2swarm.config.models import LearnerConfig
 from echo2swarm.learner.accountability import PeerLedger
 from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.learner.broadcast_tracker import BroadcastTracker
-from echo2swarm.learner.evidence import PeerStatistics
 from echo2swarm.learner.checkpoint import load_latest, save_checkpoint
+from echo2swarm.learner.evidence import PeerStatistics
 from echo2swarm.learner.intake import Intake
 from echo2swarm.learner.leases import GroupLimits
 from echo2swarm.learner.metrics import MetricsLog
