@@ -40,6 +40,7 @@ from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
 from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.policy.store import ChunkStore, VersionStore
+from echo2swarm.runtime import dump
 from echo2swarm.runtime.aio import backoff_s
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.records import MAX_BANS_ON_CARD, Arrival, BanNote, PeerCard, VersionNote
@@ -249,6 +250,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
+        dump.install(loop)  # kill -USR1: where every task waits, in the log
 
         try:
             # Without --identity the per-start libp2p key reaches p2pd through a temporary file in the state dir.

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -191,11 +192,48 @@ def peers_json(addr: str, swarm: str, timeout: float = 60.0) -> list[dict[str, A
     return json.loads(result.stdout)
 
 
-def http_json(url: str, timeout: float = 5.0) -> dict[str, Any]:
+def http_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The JSON body of a GET. A 429 or 503 (the server's budgets full: policy/server.py) is asked again after
+    its Retry-After, as any polite client would, until `timeout` has passed; then it is raised."""
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=max(0.5, deadline - time.monotonic())) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            retry_after = _retry_after(e)
+            if retry_after is None or time.monotonic() + retry_after > deadline:
+                raise
+            time.sleep(retry_after)
+
+
+def daemon_state(daemon: DaemonProcess, timeout: float = 10.0) -> str:
+    """Where every thread and asyncio task of a running daemon waits (runtime/dump.py, on SIGUSR1),
+    read back from its log: what a test that timed out on a daemon that went quiet reports."""
+    assert daemon.proc is not None and daemon.proc.poll() is None, f"{daemon.name} is not running"
+    marker = "state on SIGUSR1:"
+    seen = daemon.log_path.read_text(errors="replace").count(marker)
+    daemon.proc.send_signal(signal.SIGUSR1)
+    try:
+        wait_until(lambda: daemon.log_path.read_text(errors="replace").count(marker) > seen, timeout, interval=0.2,
+                   what=f"{daemon.name} to log its state")
+    except TimeoutError:
+        return f"{daemon.name} logged no state within {timeout:.0f} s of SIGUSR1: its event loop is blocked"
+    text = daemon.log_path.read_text(errors="replace")
+    return text[text.rindex(marker):]
+
+
+def _retry_after(error: Any) -> float | None:
+    """Seconds a busy answer (429, 503) asks to wait before asking again; None for any other error."""
+    if error.code not in (429, 503):
+        return None
+    try:
+        return min(5.0, max(0.1, float(error.headers.get("Retry-After", "1"))))
+    except ValueError:
+        return 1.0
 
 
 def http_status(url: str, method: str = "GET", data: bytes | None = None, headers: dict[str, str] | None = None,
@@ -217,7 +255,7 @@ def http_status(url: str, method: str = "GET", data: bytes | None = None, header
         return e.code, body
 
 
-__all__ = ["LocalSwarm", "SwarmWatcher", "http_json", "http_status", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
+__all__ = ["LocalSwarm", "SwarmWatcher", "daemon_state", "http_json", "http_status", "learner_toml", "peers_json", "read_metrics", "run_cli", "wait_until"]
 
 
 # [overlay] of a learner that starts its own swarm on 127.0.0.1 (scripts/launch_learner.sh runs it from a TOML).

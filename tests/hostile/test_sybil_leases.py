@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from helpers.rogue import PACED, right_answer_ids
-from helpers.swarm import LocalSwarm, http_json, learner_toml, wait_until
+from helpers.swarm import LocalSwarm, daemon_state, http_json, learner_toml, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -258,7 +258,10 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
             stats = http_json(info_url)["stats"]
             return stats["steps_done"] >= recovered_from + 5 and stats["capacity"]["planned"]
 
-        wait_until(recovered, 180, interval=0.5, what="the learner to step under a plan again after the hosts started")
+        try:
+            wait_until(recovered, 180, interval=0.5, what="the learner to step under a plan again after the hosts started")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; the learner's state:\n{daemon_state(learner)}") from e
         before = rate.measure(WINDOW_S)
         assert before > 0.3, before
         crowd.burst(BURST, right_answer_ids(tiny_model_dir))
@@ -268,7 +271,8 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
             wait_until(lambda: crowd.stats["leases"] + crowd.stats["waits"] >= CROWD, 180, interval=0.5,
                        what="every sybil to have asked for work")
         except TimeoutError as e:
-            raise AssertionError(f"{e}: crowd {crowd.stats}, learner {http_json(info_url)['stats']['peers']}") from e
+            raise AssertionError(f"{e}: crowd {crowd.stats}, learner {http_json(info_url)['stats']['peers']}; "
+                                 f"its state:\n{daemon_state(learner)}") from e
         during_crowd = rate.measure(WINDOW_S, {k.peer_id for k in crowd.keys})
     finally:
         crowd.close()
