@@ -109,6 +109,11 @@ async def serve_unary(
             reply = encode(await handler(request, peer))
             _answered(p2p, peer)
             return reply
+        except asyncio.CancelledError:
+            # The caller went away (its timeout; p2pd cancels this task). hivemind forgets a handler's task
+            # only when it returns, so a cancelled one stayed in its table for good: a caller that times out
+            # on every held request grew the daemon's memory without bound. Nobody reads this reply.
+            return _error("cancelled: the caller went away")
         except Exception as e:
             logger.exception("%s handler failed", name)
             return _error(f"internal error: {type(e).__name__}")

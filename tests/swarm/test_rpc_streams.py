@@ -74,3 +74,51 @@ def test_client_stream_replies_and_frames_all_arrive_over_quic() -> None:
     assert sums == [k + 1 for k in range(30)]
     assert frames == [(200, b"abc")] * 30
     assert "exceeds" in refusal
+
+
+class Slow(BaseModel):
+    n: int
+
+
+HOLDER = Surface("holder", (Rpc("hold", Slow, (Total,)),))
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def rpc_hold(self, request: Slow, peer: str) -> Total:
+        await self.release.wait()  # as a held lease request waits for work
+        return Total(total=request.n)
+
+
+def test_callers_that_time_out_leave_nothing_behind_in_the_server() -> None:
+    """A caller that gives up on a held request gets p2pd to cancel the server's handler; what the
+    server keeps per call must go with it, however many callers do that (a crowd of fresh identities
+    timing out on held leases for hours)."""
+
+    async def scenario() -> tuple[int, int, int]:
+        async with overlay_pair("rpch") as (a, b):
+            holder = Holder()
+            await serve(a.p2p, "rpch", HOLDER, holder)
+            stub = RpcStub(b.p2p, "rpch", HOLDER, a.peer_id)
+            timed_out = 0
+            for k in range(40):
+                try:
+                    await stub.hold(Slow(n=k), timeout=0.3)
+                except RpcError:
+                    timed_out += 1
+            handler_tasks = a.p2p._client.control._handler_tasks  # hivemind's table of unary calls being handled
+            for _ in range(100):  # the cancellations reach the server's p2pd, then its handlers, a moment later
+                if not handler_tasks:
+                    break
+                await asyncio.sleep(0.05)
+            left = len(handler_tasks)
+            holder.release.set()
+            answered = (await stub.hold(Slow(n=7), timeout=10)).total  # and the server still answers
+            return timed_out, left, answered
+
+    timed_out, left, answered = asyncio.run(scenario())
+    assert timed_out == 40
+    assert left == 0, f"{left} handler tasks of cancelled calls kept"
+    assert answered == 7
