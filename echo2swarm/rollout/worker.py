@@ -41,7 +41,7 @@ from echo2swarm.policy.follower import PolicyFollower
 from echo2swarm.rollout.refit import EngineWeights
 from echo2swarm.rollout.throughput import Throughput
 from echo2swarm.runtime.aio import backoff_s, wait_any
-from echo2swarm.runtime.logging import get_logger
+from echo2swarm.runtime.logging import Recurring, get_logger
 from echo2swarm.wire.surfaces import LEARNER_RPC
 from echo2swarm.wire.work import (
     CompletionMsg,
@@ -53,6 +53,7 @@ from echo2swarm.wire.work import (
 
 logger = get_logger(__name__)
 T = TypeVar("T")
+REPEAT_LOG_S = 60.0  # how often an error that keeps recurring is logged again, with its count
 
 
 class RolloutWorker:
@@ -78,6 +79,7 @@ class RolloutWorker:
         self.throughput = throughput
         self.active: bool | None = None  # False while the learner keeps us on standby
         self._last_error = ""
+        self._rpc_warning = Recurring(logger, REPEAT_LOG_S)
         self._waited_s = 0.0  # the lease loop's LeaseWait sleeps, finished ones
         self._waiting_since: float | None = None  # start of the one under way
         self._idle_from: tuple[float, float] | None = None  # engine idle since, told-to-wait seconds then
@@ -107,9 +109,8 @@ class RolloutWorker:
 
     def _note_error(self, message: str) -> None:
         self.stats["rpc_errors"] += 1
-        if message != self._last_error:  # one line per distinct problem, not per retry
-            logger.warning("%s", message)
-            self._last_error = message
+        self._rpc_warning(message)  # once per distinct problem, then a line a minute while it goes on
+        self._last_error = message
 
     # -- loop ----------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 
 _CONFIGURED = False
 _NOISY = ("hivemind", "asyncio", "aiohttp.access", "urllib3", "filelock")
@@ -28,3 +30,31 @@ def setup_logging(level: str | int = "INFO", *, quiet_libraries: bool = True) ->
     if quiet_libraries:
         for name in _NOISY:
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class Recurring:
+    """Warns once per distinct message; while the same one recurs, once per `period_s` with how often it did.
+
+    A retry loop that logged every failure would flood the log; one that logged only the first left an
+    operator looking at one warning and then silence while the failure went on for hours.
+
+    >>> warn = Recurring(logger, 60.0)
+    >>> warn("lease request failed: timed out")   # logged
+    >>> warn("lease request failed: timed out")   # counted; logged with its count a minute after the last line
+    """
+
+    def __init__(self, log: logging.Logger, period_s: float, clock: Callable[[], float] = time.monotonic):
+        self.log, self.period_s, self.clock = log, period_s, clock
+        self.last = ""
+        self._repeats, self._since = 0, 0.0
+
+    def __call__(self, message: str) -> None:
+        now = self.clock()
+        if message != self.last:
+            self.log.warning("%s", message)
+            self.last, self._repeats, self._since = message, 0, now
+            return
+        self._repeats += 1
+        if now - self._since >= self.period_s:
+            self.log.warning("%s (again %d times in the last %.0f s)", message, self._repeats, now - self._since)
+            self._repeats, self._since = 0, now
