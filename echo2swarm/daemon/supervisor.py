@@ -35,6 +35,7 @@ from echo2swarm.daemon.prometheus import daemon_registry, metrics_route
 from echo2swarm.overlay.announcer import Announcer
 from echo2swarm.overlay.node import BootstrapError, Overlay
 from echo2swarm.overlay.reachability import DialbackService, ReachabilityTracker, serve_dialback
+from echo2swarm.overlay.rejoin import RejoinList
 from echo2swarm.overlay.streams import stream_paths
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.pipeline import InFlight
@@ -197,6 +198,19 @@ class Daemon:
             except Exception:
                 logger.exception("reachability check failed; keeping the last result")
 
+    async def _remember_peers(self, overlay: Overlay, rejoin: RejoinList) -> None:
+        """Keep the peers seen working in rejoin.json, for a restart after the initial peers are gone: looked at
+        every announce period, written when the set changed."""
+        while not self.stop_event.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop_event.wait(), self.config.overlay.announce_period_s)
+            peers = overlay.rejoin_candidates()
+            try:
+                if rejoin.update(peers):
+                    logger.debug("rejoin list: %d peers saved in %s", len(peers), rejoin.path)
+            except OSError as e:  # a full or read-only disk costs the list, never the daemon
+                logger.warning("could not save %s: %s", rejoin.path, e)
+
     def _head_bytes(self) -> bytes | None:
         head = self.service.head() if self.service is not None else None
         return None if head is None else head.model_dump_json().encode()
@@ -254,7 +268,8 @@ class Daemon:
 
         try:
             # Without --identity the per-start libp2p key reaches p2pd through a temporary file in the state dir.
-            overlay = await Overlay.start(config.overlay, key_dir=state_dir)
+            rejoin = RejoinList(state_dir, config.overlay.swarm)
+            overlay = await Overlay.start(config.overlay, key_dir=state_dir, rejoin=rejoin.load())
         except BootstrapError as e:
             logger.error("%s", e)
             from echo2swarm.daemon.doctor import check_p2pd_binary, check_ports
@@ -309,7 +324,8 @@ class Daemon:
             overlay.advertise(self.reach.card_chunk_url(self.chunk_url), self.reach.maddrs)  # signed heads carry it
             # Announce from the start, so a learner that takes minutes to publish shows as `starting`.
             tasks = [asyncio.create_task(announcer.run(self.stop_event)),
-                     asyncio.create_task(self._watch_reachability())]
+                     asyncio.create_task(self._watch_reachability()),
+                     asyncio.create_task(self._remember_peers(overlay, rejoin))]
             await service.start()
             tasks.append(asyncio.create_task(self._supervise(service)))
             self._write_ready_file()

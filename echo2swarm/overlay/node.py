@@ -33,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,10 @@ def p2pd_binary() -> Path:
 
 class BootstrapError(RuntimeError):
     """Could not join the swarm; the message names the flag to change."""
+
+
+class UnreachableError(BootstrapError):
+    """p2pd started, but none of the peers it was told to join by answered."""
 
 
 def _load_prctl() -> Any:
@@ -235,9 +239,26 @@ class Overlay:
 
     @classmethod
     async def start(
-        cls, config: OverlayConfig, *, client_mode: bool | None = None, key_dir: Path | None = None
+        cls, config: OverlayConfig, *, client_mode: bool | None = None, key_dir: Path | None = None,
+        rejoin: Sequence[str] = (),
     ) -> "Overlay":
-        """`key_dir`: where the per-start identity file lives while p2pd reads it (the state dir)."""
+        """`key_dir`: where the per-start identity file lives while p2pd reads it (the state dir).
+        `rejoin`: peers to join by when none of `initial_peers` answers (overlay/rejoin.py)."""
+        try:
+            return await cls._start(config, client_mode, key_dir)
+        except UnreachableError as e:
+            rejoin = [m for m in dict.fromkeys(rejoin) if m not in config.initial_peers]
+            if not rejoin:
+                raise
+            logger.warning("%s; rejoining through %d address(es) of peers this daemon saw working (rejoin.json)",
+                           e, len(rejoin))
+            try:
+                return await cls._start(config.model_copy(update={"initial_peers": rejoin}), client_mode, key_dir)
+            except UnreachableError:
+                raise e from None  # the flag to change is --initial-peers: say so, not the remembered list
+
+    @classmethod
+    async def _start(cls, config: OverlayConfig, client_mode: bool | None, key_dir: Path | None) -> "Overlay":
         client = config.client_mode if client_mode is None else client_mode
         if not config.initial_peers and not config.new_swarm:
             raise BootstrapError(
@@ -316,7 +337,7 @@ class Overlay:
             if p2p is None and not isinstance(e, asyncio.TimeoutError) and "bootstrap peers" not in str(e):
                 raise BootstrapError(f"p2pd did not start: {type(e).__name__}: {e}") from None
             if config.initial_peers:
-                raise BootstrapError(
+                raise UnreachableError(
                     f"could not reach any of --initial-peers within {config.bootstrap_timeout_s:.0f} s "
                     f"({', '.join(config.initial_peers)}): {type(e).__name__}: {e}. Check the addresses, "
                     "that those peers run, and --bootstrap-timeout"
@@ -354,6 +375,14 @@ class Overlay:
     async def connect(self, peer_id: str, maddrs: list[str], timeout: float) -> None:
         """Open a libp2p connection to `peer_id` at `maddrs`; raises when it fails or takes over `timeout` s."""
         await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), dial_addrs(maddrs)), timeout)
+
+    def rejoin_candidates(self) -> dict[str, list[str]]:
+        """Peers to rejoin the swarm by, should the initial peers go (overlay/rejoin.py): those seen doing work
+        here, then the trusted publishers whose rosters we read and the peers on them; with their cards'
+        addresses (peers whose card we have not read have none and are left out)."""
+        rosters = self.cards.rosters
+        named = dict.fromkeys([*self.work.worked(), *rosters, *(e.peer_id for r in rosters.values() for e in r.peers)])
+        return {p: list(self.cards.maddrs[p]) for p in named if p != self.peer_id and self.cards.maddrs.get(p)}
 
     def known_maddrs(self, peer_id: str) -> list[str]:
         """The multiaddrs of `peer_id`'s newest card we read (a relay address may have appeared since)."""

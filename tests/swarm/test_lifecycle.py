@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.swarm import LocalSwarm, wait_until
+from helpers.swarm import LocalSwarm, learner_toml, read_metrics, wait_until
 
 from echo2swarm.runtime.processes import child_pids, pid_alive
 
@@ -68,3 +68,32 @@ def test_sigterm_stops_within_5s_leaving_no_children(
     assert daemon.proc.returncode == 0
     wait_until(lambda: not any(pid_alive(p) for p in children), timeout=2, what="children (p2pd) to be gone")
     assert not (daemon.state_dir / "daemon.json").exists()
+
+
+def test_a_peer_restarted_after_its_bootstrap_is_gone_rejoins_through_the_peers_it_saw_working(
+    local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
+):
+    """The bootstrap is one machine: when it is gone, a rollout peer restarted with the same --initial-peers
+    joins through rejoin.json (the learner it fetched verified chunks from) and works again."""
+    bootstrap = local_swarm.bootstrap()
+    learner = local_swarm.start("learner", "--config", str(learner_toml(tmp_path / "learner.toml", tiny_model_dir,
+                                                                         policy_key, steps=2000)))
+    learner_id = local_swarm.ready(learner)["peer_id"]
+    trust = Path(f"{policy_key}.pub")
+    first = local_swarm.rollout("rollout", trust=trust)
+    local_swarm.ready(first)
+    saved = first.state_dir / "rejoin.json"
+    wait_until(lambda: saved.exists() and learner_id in saved.read_text(), 60, interval=0.5,
+               what="the rollout peer to keep the learner in rejoin.json")
+    bootstrap.terminate()
+    first.terminate()
+    again = local_swarm.rollout("rollout", trust=trust)  # the same state dir and --initial-peers (the dead bootstrap)
+    peer_id = local_swarm.ready(again, timeout=90)["peer_id"]
+    assert "rejoining through" in again.log_path.read_text()
+    metrics = learner.state_dir / "run" / "metrics.jsonl"
+
+    def delivered() -> int:
+        records = read_metrics(metrics)
+        return records[-1]["delivered"].get(peer_id, 0) if records else 0
+
+    wait_until(lambda: delivered() > 0, 90, interval=0.5, what="the restarted peer to deliver groups again")
