@@ -167,7 +167,11 @@ class LearnerActivation:
         """One re-plan from the live cards; `seen` are the peers that asked this learner for work, and
         `activity` what the intake saw them do (None: no liveness known, nobody is judged quiet)."""
         now = self.clock()
-        if self.planned and activity is not None:
+        # A planned peer is quiet when it alone falls silent. When nobody was heard from lately, the learner
+        # itself (a starved loop, its network) is the likelier cause, and dropping peers would only undo the plan.
+        heard = max((max(a.last_request, self.last_delivery.get(p, -math.inf)) for p, a in (activity or {}).items()),
+                    default=-math.inf)
+        if self.planned and activity is not None and now - heard <= self.config.quiet_after_s:
             for peer in sorted(self.controller.active):
                 if peer in self.delivered and self._quiet(peer, activity.get(peer), now):
                     logger.warning("activation: planned peer %s went quiet; out of the plan until it delivers %d "

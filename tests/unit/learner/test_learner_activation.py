@@ -192,3 +192,23 @@ def test_a_planned_peer_sitting_on_a_lease_is_quiet_but_a_slow_one_within_its_le
     act.replan(cards, set(activity), activity)
     assert "hoarder" not in act.workers and act.quiet_events == 1  # 20 s > max(5, 3 x 1 s)
     assert "slow" in act.workers  # 20 s < 3 x its 8 s lease time
+
+
+def test_nobody_is_judged_quiet_while_the_learner_hears_from_no_peer_at_all():
+    """A learner whose own loop or network stalled hears from nobody: the plan stays as it was, and the
+    peer that alone stays silent once the others are heard again is dropped."""
+    clock = Clock()
+    act = _loop(clock, quiet_after_s=5.0)
+    for _ in range(3):
+        act.on_step(0.5)
+    cards = [Card("fast", 0.0, 100), Card("a", 0.2, 40), Card("b", 0.3, 40)]
+    _delivered(act, cards)
+    heard = {c.peer_id: Activity(last_request=clock.now, oldest_open=None) for c in cards}
+    act.replan(cards, set(heard), heard)
+    assert act.snapshot()["active"] == ["fast"]
+    clock.now += 30.0  # nothing from anyone for 30 s
+    act.replan(cards, set(heard), heard)
+    assert act.snapshot()["active"] == ["fast"] and act.quiet_events == 0
+    asking = {**heard, "a": Activity(clock.now, None), "b": Activity(clock.now, None)}  # a and b are back
+    act.replan(cards, set(asking), asking)
+    assert act.quiet_events == 1 and "fast" not in act.workers
