@@ -337,10 +337,10 @@ class Overlay:
             if p2p is None and not isinstance(e, asyncio.TimeoutError) and "bootstrap peers" not in str(e):
                 raise BootstrapError(f"p2pd did not start: {type(e).__name__}: {e}") from None
             if config.initial_peers:
+                waited = f" within {config.bootstrap_timeout_s:.0f} s" if isinstance(e, asyncio.TimeoutError) else ""
                 raise UnreachableError(
-                    f"could not reach any of --initial-peers within {config.bootstrap_timeout_s:.0f} s "
-                    f"({', '.join(config.initial_peers)}): {type(e).__name__}: {e}. Check the addresses, "
-                    "that those peers run, and --bootstrap-timeout"
+                    f"could not reach any of --initial-peers{waited} ({', '.join(config.initial_peers)}): "
+                    f"{type(e).__name__}: {e}. Check the addresses, that those peers run, and --bootstrap-timeout"
                 ) from None
             raise BootstrapError(f"could not start the libp2p node: {type(e).__name__}: {e}") from None
         return cls(config, p2p, node, validator, key)
