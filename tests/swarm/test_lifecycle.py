@@ -74,20 +74,22 @@ def test_a_peer_restarted_after_its_bootstrap_is_gone_rejoins_through_the_peers_
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
     """The bootstrap is one machine: when it is gone, a rollout peer restarted with the same --initial-peers
-    joins through rejoin.json (the learner it fetched verified chunks from) and works again."""
+    joins through rejoin.json (the learner it fetched verified chunks from) and works again. Its first
+    start names a dead address beside the bootstrap: one live initial peer is enough."""
     bootstrap = local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(learner_toml(tmp_path / "learner.toml", tiny_model_dir,
                                                                          policy_key, steps=2000)))
     learner_id = local_swarm.ready(learner)["peer_id"]
     trust = Path(f"{policy_key}.pub")
-    first = local_swarm.rollout("rollout", trust=trust)
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWDNSVj168KNjs6cqwmWsqdg9DGvdYcN1E7seBqHR5mAL2"  # nothing listens on 9
+    first = local_swarm.rollout("rollout", "--initial-peers", dead, trust=trust)
     local_swarm.ready(first)
     saved = first.state_dir / "rejoin.json"
     wait_until(lambda: saved.exists() and learner_id in saved.read_text(), 60, interval=0.5,
                what="the rollout peer to keep the learner in rejoin.json")
     bootstrap.terminate()
     first.terminate()
-    again = local_swarm.rollout("rollout", trust=trust)  # the same state dir and --initial-peers (the dead bootstrap)
+    again = local_swarm.rollout("rollout", "--initial-peers", dead, trust=trust)  # same state dir and flags: all dead
     peer_id = local_swarm.ready(again, timeout=90)["peer_id"]
     assert "rejoining through" in again.log_path.read_text()
     metrics = learner.state_dir / "run" / "metrics.jsonl"
