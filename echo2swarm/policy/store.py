@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from echo2swarm.policy.manifest import FileEntry, Manifest
+from echo2swarm.runtime.files import atomic_write
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -56,19 +57,6 @@ class ChunkHashError(ValueError):
     """Bytes that do not hash to the chunk's name; never stored, never served."""
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 class ChunkStore:
     def __init__(self, root: Path):
         self.root = Path(root) / "chunks"
@@ -87,7 +75,7 @@ class ChunkStore:
             raise ChunkHashError(f"chunk bytes do not hash to {sha256[:16]}...")
         path = self.path(sha256)
         if not path.exists():
-            _atomic_write(path, data)
+            atomic_write(path, data)
 
     def discard(self, sha256: str) -> None:
         """Forget a chunk (a refused delta's): it is no longer served."""
@@ -174,7 +162,7 @@ class VersionStore:
             assembly.abort()
             raise
         # The manifest goes last: a version counts as installed only once it is there.
-        _atomic_write(self.manifest_path(version), envelope)
+        atomic_write(self.manifest_path(version), envelope)
         for listener in list(self.listeners):
             try:
                 listener(version)
