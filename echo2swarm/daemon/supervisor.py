@@ -269,7 +269,7 @@ class Daemon:
         try:
             # Without --identity the per-start libp2p key reaches p2pd through a temporary file in the state dir.
             rejoin = RejoinList(state_dir, config.overlay.swarm)
-            overlay = await Overlay.start(config.overlay, key_dir=state_dir, rejoin=rejoin.load())
+            overlay = await Overlay.start(config.overlay, key_dir=state_dir, rejoin=rejoin)
         except BootstrapError as e:
             logger.error("%s", e)
             from echo2swarm.daemon.doctor import check_p2pd_binary, check_ports

@@ -33,7 +33,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from echo2swarm.overlay import rpc
 from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of
 from echo2swarm.overlay.cards import CardReader
 from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_key
+from echo2swarm.overlay.rejoin import RejoinList
 from echo2swarm.overlay.roster import ASKED, WorkLog, signed_roster
 from echo2swarm.overlay.storage import BoundedStorage
 from echo2swarm.overlay.validation import SwarmRecordValidator
@@ -240,20 +241,20 @@ class Overlay:
     @classmethod
     async def start(
         cls, config: OverlayConfig, *, client_mode: bool | None = None, key_dir: Path | None = None,
-        rejoin: Sequence[str] = (),
+        rejoin: RejoinList | None = None,
     ) -> "Overlay":
         """`key_dir`: where the per-start identity file lives while p2pd reads it (the state dir).
-        `rejoin`: peers to join by when none of `initial_peers` answers (overlay/rejoin.py)."""
+        `rejoin`: the peers to join by when none of `initial_peers` answers, read only then (overlay/rejoin.py)."""
         try:
             return await cls._start(config, client_mode, key_dir)
         except UnreachableError as e:
-            rejoin = [m for m in dict.fromkeys(rejoin) if m not in config.initial_peers]
-            if not rejoin:
+            addrs = [m for m in dict.fromkeys(rejoin.load() if rejoin else []) if m not in config.initial_peers]
+            if not addrs:
                 raise
             logger.warning("%s; rejoining through %d address(es) of peers this daemon saw working (rejoin.json)",
-                           e, len(rejoin))
+                           e, len(addrs))
             try:
-                return await cls._start(config.model_copy(update={"initial_peers": rejoin}), client_mode, key_dir)
+                return await cls._start(config.model_copy(update={"initial_peers": addrs}), client_mode, key_dir)
             except UnreachableError:
                 raise e from None  # the flag to change is --initial-peers: say so, not the remembered list
 

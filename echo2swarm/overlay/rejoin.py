@@ -11,21 +11,20 @@ or asks for work never gets in, so a crowd of fresh identities cannot make the l
     Overlay.start: --initial-peers unreachable ─► RejoinList.load() ─► p2pd and the DHT joined through those
 
 The file is read as hostile input (a stale or hand-edited file must not crash a start): bad
-entries are skipped, a file of another swarm or older than MAX_AGE_S is ignored.
+entries are skipped, a file of another swarm or older than MAX_AGE_S is ignored. Every address,
+written or read, passes the checks `--initial-peers` gets (config/maddr.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from hivemind.utils.multiaddr import Multiaddr
-
+from echo2swarm.config.maddr import MaddrError, check_peer_maddr, parse_maddr
 from echo2swarm.overlay.addresses import classify
+from echo2swarm.runtime.files import atomic_write
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -71,46 +70,32 @@ class RejoinList:
         out: list[str] = []
         peers = doc.get("peers")
         for entry in peers[:LIMIT] if isinstance(peers, list) else []:
-            if not isinstance(entry, dict):
-                continue
-            peer, maddrs = entry.get("peer_id"), entry.get("maddrs")
-            if not _is_peer_id(peer) or not isinstance(maddrs, list):
-                continue
-            out += [f"{m}/p2p/{peer}" for m in maddrs[:MAX_MADDRS] if _is_maddr(m)]
+            if isinstance(entry, dict) and isinstance(entry.get("maddrs"), list):
+                out += [a for m in entry["maddrs"][:MAX_MADDRS] if (a := _peer_address(m, entry.get("peer_id")))]
         return out
 
     def update(self, peers: dict[str, list[str]]) -> bool:
         """Keep `peers` (peer id -> card addresses, best first) if they differ from what is saved; True if written.
         An empty dict leaves the last list alone: a daemon that lost its peers keeps the way back to them."""
-        kept = {p: dial_order(m) for p, m in list(peers.items())[:LIMIT] if _is_peer_id(p)}
+        kept = {p: dial_order([m for m in maddrs if _peer_address(m, p)]) for p, maddrs in list(peers.items())[:LIMIT]}
         kept = {p: m for p, m in kept.items() if m}
         if not kept or kept == self._saved:
             return False
         doc = {"swarm": self.swarm, "saved_at": round(self.clock(), 3),
                "peers": [{"peer_id": p, "maddrs": m} for p, m in kept.items()]}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".rejoin-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1)
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(self.path, json.dumps(doc, indent=1).encode())
         self._saved = kept
         return True
 
 
-def _is_peer_id(value: Any) -> bool:
-    return isinstance(value, str) and 30 <= len(value) <= 100 and value.isalnum()
-
-
-def _is_maddr(value: Any) -> bool:
-    if not isinstance(value, str) or not value.startswith("/") or len(value) > 300 or "/p2p/" in value.rsplit(
-            "/p2p-circuit", 1)[-1]:
-        return False
+def _peer_address(maddr: Any, peer: Any) -> str | None:
+    """`maddr/p2p/peer` if it is a peer address `--initial-peers` would take and `maddr` (a card's address)
+    names no peer of its own; else None."""
+    if not isinstance(maddr, str) or not isinstance(peer, str) or len(maddr) > 300:
+        return None
     try:
-        Multiaddr(value)
-    except Exception:  # hivemind's parser raises several types on garbage
-        return False
-    return True
+        if parse_maddr(maddr)[-1][0] == "p2p":
+            return None
+        return check_peer_maddr(f"{maddr}/p2p/{peer}")
+    except MaddrError:
+        return None
