@@ -207,7 +207,7 @@ def http_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
             retry_after = _retry_after(e)
             if retry_after is None or time.monotonic() + retry_after > deadline:
                 raise
-            time.sleep(retry_after)
+            time.sleep(retry_after)  # the wait the server asked for (bounded by `deadline`), not a guess
 
 
 def daemon_state(daemon: DaemonProcess, timeout: float = 10.0) -> str:

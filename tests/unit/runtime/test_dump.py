@@ -43,10 +43,10 @@ def test_sigusr1_logs_the_state_and_the_loop_goes_on(caplog: pytest.LogCaptureFi
             event = asyncio.Event()
             task = asyncio.create_task(_stuck_on(event), name="waiting-for-nobody")
             os.kill(os.getpid(), signal.SIGUSR1)
-            for _ in range(200):  # the handler runs on a later turn of the loop
+            for _ in range(200):  # wait (2 s at most) for the handler, which runs on a later turn of the loop
                 if any("state on SIGUSR1" in r.getMessage() for r in caplog.records):
                     break
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # yields to the loop: the condition is checked above
             event.set()
             await task
             return task.done()
