@@ -195,7 +195,7 @@ def honest_phase(model_dir: Path, root: Path, dtype_name: str, args: argparse.Na
         own = spread(lab, pools[version], version)
         prox = spread(lab, pools[version], 3)
         verifier = Verifier(lab.trainer.verify_config, temperature=lab.train.temperature, top_p=lab.train.top_p,
-                            weights_of=lab.weights_of, make_spare=lab.trainer._spare_model)
+                            weights_of=lab.weights_of, make_spare=lab.trainer._verify_spare)
         refused: Counter[str] = Counter()
         exact = 0
         for start in range(0, n, args.prompts_per_step):
@@ -301,7 +301,7 @@ def crafted_phase(lab: Lab, args: argparse.Namespace) -> dict[str, tuple[int, in
         cells, reasons = [], Counter()
         for k, history in ((0, False), (1, False), (1, True)):
             verifier = Verifier(lab.trainer.verify_config, temperature=lab.train.temperature, top_p=lab.train.top_p,
-                                weights_of=lab.weights_of, make_spare=lab.trainer._spare_model)
+                                weights_of=lab.weights_of, make_spare=lab.trainer._verify_spare)
             honest = lab.pools[3 - k]  # type: ignore[attr-defined]
             if history:
                 verifier._seen["crafter"] = lab.trainer.verify_config.newcomer_groups

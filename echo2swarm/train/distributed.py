@@ -203,6 +203,9 @@ class ShardedTrainer(GRPOTrainer):
         reference.requires_grad_(False)
         return reference.eval()
 
+    def _verify_spare(self) -> torch.nn.Module:
+        return self._spare_model()  # sharded, so a rank holds 1/world of a copy: not streamed (yet)
+
     def _spare_model(self) -> torch.nn.Module:
         """A sharded model for an older version's weights (verification), loaded from rank 0."""
         model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)

@@ -34,6 +34,7 @@ from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import completion_logits
 from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
 from echo2swarm.train.scoring import score_logits
+from echo2swarm.train.streamed import StreamedPolicy
 from echo2swarm.train.updates import UpdatePath, merge_updates
 from echo2swarm.train.verify import (
     NonFiniteWeightsError,
@@ -121,7 +122,7 @@ class GRPOTrainer(UpdatePath):
         self.verifier: Verifier | None = None
         if self.verify_config.enabled:
             self.verifier = Verifier(self.verify_config, temperature=config.temperature, top_p=config.top_p,
-                                     weights_of=weights_of, make_spare=self._spare_model)
+                                     weights_of=weights_of, make_spare=self._verify_spare)
         self.skipped_nonfinite = 0  # updates skipped so far because the loss or a gradient was not finite
 
     # -- building (train/distributed.py's ShardedTrainer overrides these) ----------------------
@@ -141,6 +142,11 @@ class GRPOTrainer(UpdatePath):
         reference = copy.deepcopy(self.model).eval()
         reference.requires_grad_(False)
         return reference
+
+    def _verify_spare(self) -> torch.nn.Module:
+        """What the verifier computes older versions' logits with: the policy's skeleton, their
+        weights read from disk module by module during each forward, none kept (train/streamed.py)."""
+        return StreamedPolicy(self.model)
 
     def _spare_model(self) -> torch.nn.Module:
         """A second copy of the policy on the training device, to hold older versions' weights.

@@ -23,7 +23,7 @@ group of version v)::
             the suspicious: near a bound, atypical under q, from a peer refused, or whose re-derived
             choices strayed past `suspect_fraction` of δ, in the last `suspect_steps` steps) and of k = 0
             refusals (the masters are not the published cast): version v as published
-            (`weights_of`) in a spare model (LRU of `spare_models`): |b - log π_v(x)| past the
+            (`weights_of`), streamed module by module (train/streamed.py): |b - log π_v(x)| past the
             tolerances ─► "exact_mismatch"; the seeded choices under its logits ─► "sample_mismatch"
       └─► typicality under the behaviour version (exact when it ran, else q as a proxy):
             z = Σ (s - H) / sqrt(Σ Var + floor), per sequence and over the group;
@@ -34,8 +34,9 @@ group of version v)::
       └─► per group measured under its own version, what the per-peer tests add up (`GroupEvidence`,
             learner/evidence.py): its choice evidence and signed z (below 0: colder than sampling)
 
-Memory: at most `spare_models` fp32 copies of the policy on the training device (the first exact
-check of an older version makes one); sampling statistics in row chunks beside the step's logits.
+Memory: an older version's forward holds one module's weights at a time (a sharded learner's
+`make_spare` gives whole sharded copies instead: at most `spare_models`); sampling statistics in row
+chunks beside the step's logits.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ import torch
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import CompletionLogits, completion_logits
+from echo2swarm.train.streamed import StreamedPolicy, TensorWeights, VersionWeights
 from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, choice_gaps_of, score_logits
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.sampling import SAMPLERS, completion_key
@@ -145,6 +148,7 @@ class GroupEvidence:
     positions: int  # completion tokens whose seeded choice was re-derived (0: none)
     choice: float | None  # Σ `choice_evidence` over them; None when the choices were not re-derived
     z: float | None  # the group's signed typicality z; None when not scored under its own version
+    gap: float | None = None  # nats of logits: its largest re-derived choice gap (None: choices not re-derived)
 
 
 @dataclass
@@ -188,6 +192,7 @@ class _Pending:
     signed_z: float | None = None  # the group's z under its own version (None: only the proxy scored it)
     choice: float | None = None  # choice evidence of its positions, re-derived under its own version
     positions: int = 0  # positions re-derived
+    gap: float | None = None  # the largest re-derived choice gap, nats of logits
     strayed: bool = False  # a re-derived choice strayed past suspect_fraction of δ: its peer becomes a suspect
     seeded: bool = False  # drawn with a sampler the learner knows, with the lease's seed: its choices are checked
     want_choices: bool = False  # its choices are checked against the step's own logits (version t)
@@ -224,7 +229,9 @@ class Verifier:
         self.top_p = top_p
         self.weights_of = weights_of
         self.make_spare = make_spare
-        self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> model, LRU order
+        self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> loaded model, LRU order
+        self._streamed: StreamedPolicy | None = None  # the skeleton older versions stream through, if make_spare gives one
+        self._loose: torch.nn.Module | None = None  # a whole model made while finding that out, not yet loaded
         self._rng: random.Random = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self._suspects: dict[str, int] = {}  # peer id -> last check() that refused or doubted one of its groups
         self._seen: OrderedDict[str, int] = OrderedDict()  # peer id -> groups checked (newcomer_groups), LRU
@@ -337,12 +344,11 @@ class Verifier:
             if p.want_exact:
                 by_version.setdefault(p.group.version, []).append(p)
         for version, members in sorted(by_version.items()):
-            model = self._spare(version)
-            if model is None:
-                result.unavailable += len(members)
-                continue
             index = torch.cat([p.rows for p in members]).to(device)
-            with torch.no_grad():
+            with self._version_model(version) as model, torch.no_grad():
+                if model is None:
+                    result.unavailable += len(members)
+                    continue
                 scored = completion_logits(model, input_ids[index], attention_mask[index], completion_mask[index],
                                            temperature=self.temperature)
                 exact = score_logits(scored, top_p=self.top_p, typicality=cfg.typicality_z is not None)
@@ -393,7 +399,8 @@ class Verifier:
             if p.strayed:
                 self._suspects[peer] = self._checks
             if p.choice is not None or p.signed_z is not None:
-                result.evidence.append(GroupEvidence(peer, p.group.prompt_id, p.positions, p.choice, p.signed_z))
+                result.evidence.append(GroupEvidence(peer, p.group.prompt_id, p.positions, p.choice, p.signed_z,
+                                                     p.gap))
             if p.reason is not None:
                 result.keep[p.index] = False
                 result.refused[p.reason] += 1
@@ -436,6 +443,7 @@ class Verifier:
             p.choices_done = True
             worst = float(figures[0, local].max())
             p.choice, p.positions = float(figures[2, local].sum()), int(figures[3, local].sum())
+            p.gap = max(0.0, worst) * self.temperature if p.positions else None
             p.strayed = worst > self.config.suspect_fraction * delta
             if bool(figures[1, local].any()):
                 p.reason = "sample_mismatch"
@@ -469,29 +477,62 @@ class Verifier:
         group = e.sum() / torch.sqrt(v.sum() + VARIANCE_FLOOR)
         return float(torch.maximum(per_row.max(), group))
 
-    # -- spare models --------------------------------------------------------------------------
-    def _spare(self, version: int) -> torch.nn.Module | None:
-        """A model holding version ``version``'s weights, or None when they are not available."""
+    # -- older versions ------------------------------------------------------------------------
+    @contextmanager
+    def _version_model(self, version: int) -> Iterator[torch.nn.Module | None]:
+        """A model computing version ``version``'s logits within the block, or None when its weights are
+        not available. `make_spare` gives either a `StreamedPolicy` (the single-device trainer: the
+        version's weights read module by module during each forward, none kept) or a model to load
+        whole (the sharded trainer: `spare_models` of them kept, least recently used reloaded)."""
+        if self.weights_of is None or self.make_spare is None:
+            yield None
+            return
+        if self._streamed is None and self._loose is None and not self._spares:
+            spare = self.make_spare()
+            if isinstance(spare, StreamedPolicy):
+                self._streamed = spare
+            else:
+                self._loose = spare
+        if self._streamed is None:
+            yield self._loaded(version)
+            return
+        weights = self._weights(version, streamed=True)
+        with ExitStack() as stack:
+            try:
+                model = stack.enter_context(self._streamed.use(weights)) if weights is not None else None
+            except ValueError as e:
+                logger.warning("verify: weights of v%d do not fit the policy: %s", version, e)
+                model = None
+            yield model
+
+    def _weights(self, version: int, *, streamed: bool) -> Any:
+        try:
+            weights = self.weights_of(version) if self.weights_of is not None else None
+            if weights is None:
+                return None
+            if streamed:
+                return VersionWeights(weights) if isinstance(weights, (str, Path)) else TensorWeights(weights)
+            return _read_model_dir(Path(weights)) if isinstance(weights, (str, Path)) else weights
+        except Exception as e:  # a store mid-collection, a file gone or damaged: no exact check, not a crash
+            logger.warning("verify: weights of v%d unavailable (%s: %s)", version, type(e).__name__, e)
+            return None
+
+    def _loaded(self, version: int) -> torch.nn.Module | None:
+        """A whole model holding version ``version``'s weights (LRU of `spare_models`), or None."""
         if version in self._spares:
             self._spares.move_to_end(version)
             return self._spares[version]
-        if self.weights_of is None or self.make_spare is None:
-            return None
-        try:
-            weights = self.weights_of(version)
-        except Exception as e:  # a store mid-collection, a file gone: no exact check, not a crash
-            logger.warning("verify: weights of v%d unavailable (%s: %s)", version, type(e).__name__, e)
-            return None
+        weights = self._weights(version, streamed=False)
         if weights is None:
             return None
-        if isinstance(weights, (str, Path)):
-            weights = _read_model_dir(Path(weights))
         if len(self._spares) >= max(1, self.config.spare_models):
             _, model = self._spares.popitem(last=False)  # reuse the least recently used copy's memory
+        elif self._loose is not None:
+            model, self._loose = self._loose, None
         else:
-            model = self.make_spare()
-            model.requires_grad_(False)
-            model.eval()
+            model = self.make_spare()  # type: ignore[misc]
+        model.requires_grad_(False)
+        model.eval()
         try:
             load_policy_weights(model, weights)
         except ValueError as e:

@@ -130,7 +130,7 @@ class Lab:
 
     def verifier(self, **config) -> Verifier:
         return Verifier(VerifyConfig(seed=0, **config), temperature=self.config.temperature, top_p=self.config.top_p,
-                        weights_of=self.weights_of, make_spare=self.trainer._spare_model)
+                        weights_of=self.weights_of, make_spare=self.trainer._verify_spare)
 
     def true_logprobs(self, group: Group, version: int, *, renormalised: bool = True) -> Group:
         """`group` with the behaviour logprobs `version` really gives its tokens (teacher forcing):

@@ -118,11 +118,11 @@ def test_exact_check_catches_logprobs_of_another_version(tiny_model_dir: Path, t
     result = lab.check(verifier, from_v1[:4] + from_v2 + mislabelled)
     assert result.keep == [True] * 8 + [False] * 4
     assert {r.reason for r in result.refusals} == {"exact_mismatch"} and result.exact == 12
-    assert len(verifier._spares) == 1  # one spare model, reloaded per version
+    assert not verifier._spares  # no copy kept: the older versions were streamed from their files
 
     # Version weights given as tensors rather than a directory work the same.
     by_tensors = Verifier(verifier.config, temperature=1.0, weights_of=lambda v: load_file(
-        lab.dir(v) / "model.safetensors"), make_spare=lab.trainer._spare_model)
+        lab.dir(v) / "model.safetensors"), make_spare=lab.trainer._verify_spare)
     assert lab.check(by_tensors, from_v2 + mislabelled[:1]).keep == [True] * 4 + [False]
     # Honest groups whose version the policy has moved far from (bounds tight, no sampling): past the
     # proxy bounds, they get the exact check, which they pass; without their version's weights the

@@ -1,0 +1,217 @@
+"""Run a published version's forward without a copy of its weights: a module's weights are read from
+the version's files just before that module runs and dropped right after.
+
+The verifier's exact check (train/verify.py) needs the logits of older versions. A resident copy of
+the policy per version costs 4 bytes a parameter in fp32 (32 GB for an 8B policy); this costs the
+largest single module's weights (an 8B Qwen3's embedding or lm_head: 2.5 GB in fp32) and one read
+of the version's files per forward, from the page cache when they were read lately:
+
+    StreamedPolicy(policy)           a skeleton of the policy: every parameter on the meta device (no
+                                     memory), buffers (rotary tables) copied, tied parameters still tied
+      .use(VersionWeights(dir))      whose files the next forwards read
+      forward ─► per module with parameters, before it runs: each parameter's tensor read from the
+                 files (plain reads, no memory map), cast to the policy's dtype, on its device
+              ─► after it runs: the parameters are meta again
+
+`VersionWeights` reads tensors by name from a directory's ``*.safetensors`` files, every header checked
+(names, dtypes, shapes, ranges inside the file) before any tensor is read. A parameter used outside
+its own module's forward would meet a meta tensor: `StreamedPolicy` raises then, naming it, rather
+than computing on nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["StreamedPolicy", "TensorWeights", "VersionWeights"]
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_MAX_HEADER = 100 << 20  # bytes: safetensors' own limit
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+    end: int
+
+
+class VersionWeights:
+    """The tensors of a model directory's ``*.safetensors`` files, read one at a time.
+
+    ValueError when a file is not safetensors or a header entry does not fit its file (the learner
+    wrote these files itself, but a disk can still hand back something else)."""
+
+    def __init__(self, model_dir: Path | str):
+        self.dir = Path(model_dir)
+        self.entries: dict[str, _Entry] = {}
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.dir}: no *.safetensors weights")
+        for path in files:
+            self.entries.update(_layout(path))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+    def read(self, name: str, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Tensor ``name`` as ``dtype`` on ``device`` (KeyError when the files do not hold it)."""
+        entry = self.entries[name]
+        raw = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        with open(entry.path, "rb") as f:
+            f.seek(entry.start)
+            if f.readinto(raw.numpy()) != len(raw):
+                raise ValueError(f"{entry.path.name}: tensor {name!r} ends past the file's end")
+        tensor = raw.view(entry.dtype).reshape(entry.shape) if len(raw) else torch.empty(entry.shape, dtype=entry.dtype)
+        return tensor.to(device=device, dtype=dtype)
+
+
+class TensorWeights:
+    """Tensors already in memory (tests, tools), read like a `VersionWeights`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+        self.dir = "tensors"
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.tensors[name].to(device=device, dtype=dtype)
+
+
+def _layout(path: Path) -> dict[str, _Entry]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < length <= min(size - 8, _MAX_HEADER):
+            raise ValueError(f"{path}: not a safetensors file")
+        header = f.read(length)
+    try:
+        items = json.loads(header)
+        entries: dict[str, _Entry] = {}
+        for name, v in items.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES[v["dtype"]]
+            shape = tuple(int(d) for d in v["shape"])
+            start, end = (8 + length + int(o) for o in v["data_offsets"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            if min(shape, default=0) < 0 or not 8 + length <= start <= end <= size \
+                    or end - start != numel * dtype.itemsize:
+                raise ValueError(f"tensor {name[:80]!r}: its range does not fit its dtype, shape or the file")
+            entries[name] = _Entry(path, dtype, shape, start, end)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+    return entries
+
+
+class StreamedPolicy(torch.nn.Module):
+    """The policy's architecture over the weights of a `VersionWeights`, read module by module.
+
+    >>> streamed = StreamedPolicy(policy)             # no parameter memory
+    >>> with streamed.use(VersionWeights(store.dir(5))):
+    ...     logits = streamed(input_ids=ids, attention_mask=attn).logits
+
+    ``load_state_dict``-compatible callers: see `use`. A forward outside `use` raises RuntimeError.
+    """
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        memo: dict[int, Any] = {}
+        where: dict[int, tuple[torch.dtype, torch.device]] = {}
+        for p in policy.parameters():
+            skeleton = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            memo[id(p)] = skeleton
+            where[id(skeleton)] = (p.dtype, p.device)
+        self.inner = copy.deepcopy(policy, memo).eval()  # buffers copied; parameters the meta skeletons
+        self.inner.requires_grad_(False)
+        aliases: dict[int, list[str]] = {}  # a parameter's names (several when tied)
+        for name, p in self.inner.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._slots: list[tuple[torch.nn.Module, str, list[str], torch.nn.Parameter, torch.dtype, torch.device]] = []
+        self._weights: VersionWeights | TensorWeights | None = None
+        for prefix, module in self.inner.named_modules():
+            own = [(local, p) for local, p in module._parameters.items() if p is not None]
+            if not own:
+                continue
+            slots = []
+            for local, p in own:
+                full = f"{prefix}.{local}" if prefix else local
+                names = [full] + [n for n in aliases[id(p)] if n != full]
+                dtype, device = where[id(p)]
+                slots.append((module, local, names, p, dtype, device))
+            self._slots.extend(slots)
+            module.register_forward_pre_hook(self._loader(slots))
+            module.register_forward_hook(self._unloader(slots))
+
+    @contextmanager
+    def use(self, weights: VersionWeights | TensorWeights) -> Iterator[StreamedPolicy]:
+        """Forwards within read ``weights``. ValueError before any forward when they lack a parameter of
+        the policy or hold one in another shape."""
+        missing, misshapen = [], []
+        for _, _, names, skeleton, *_ in self._slots:
+            name = next((n for n in names if n in weights), None)
+            if name is None:
+                missing.append(names[0])
+            elif tuple(weights.shape(name)) != tuple(skeleton.shape):
+                misshapen.append(f"{name} {tuple(weights.shape(name))} (policy: {tuple(skeleton.shape)})")
+        if missing or misshapen:
+            raise ValueError(f"{weights.dir}: " + "; ".join(
+                f"{what} {len(names)} parameter(s) of the policy: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                for what, names in (("no tensor for", missing), ("another shape for", misshapen)) if names))
+        self._weights = weights
+        try:
+            yield self
+        finally:
+            self._weights = None
+            for module, local, _, skeleton, *_ in self._slots:
+                module._parameters[local] = skeleton  # a forward that raised left some loaded
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._weights is None:
+            raise RuntimeError("StreamedPolicy: call it within `with streamed.use(weights):`")
+        out = self.inner(*args, **kwargs)
+        logits = getattr(out, "logits", None)
+        if isinstance(logits, torch.Tensor) and logits.is_meta:
+            raise RuntimeError("StreamedPolicy: the policy used a parameter outside its own module's forward")
+        return out
+
+    def _loader(self, slots: list) -> Any:
+        def load(module: torch.nn.Module, _inputs: Any) -> None:
+            weights = self._weights
+            if weights is None:
+                raise RuntimeError("StreamedPolicy: call it within `with streamed.use(weights):`")
+            for _, local, names, _, dtype, device in slots:
+                name = next(n for n in names if n in weights)  # `use` checked there is one, of this shape
+                tensor = weights.read(name, dtype=dtype, device=device)
+                module._parameters[local] = torch.nn.Parameter(tensor, requires_grad=False)
+        return load
+
+    def _unloader(self, slots: list) -> Any:
+        def unload(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
+            for _, local, _, skeleton, *_ in slots:
+                module._parameters[local] = skeleton
+        return unload
