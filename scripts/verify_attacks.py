@@ -160,7 +160,7 @@ class SamplingLab:
     # -- the learner's verification ------------------------------------------------------------------
     def verifier(self, temperature: float, top_p: float, **config) -> Verifier:
         return Verifier(VerifyConfig(**config), temperature=temperature, top_p=top_p, weights_of=self.weights_of,
-                        make_spare=self.trainer._spare_model)
+                        make_spare=self.trainer._verify_spare)
 
     def check(self, verifier: Verifier, groups: list[Group]):
         """What `GRPOTrainer.step` runs before the loss, at the lab's version (the step's own forward)."""
@@ -186,6 +186,7 @@ class Judge:
     increments: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # peer -> test -> each increment
     refused: Counter[str] = field(default_factory=Counter)
     crossings: list[str] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # each re-derived group's largest choice gap, nats of logits
 
     def __post_init__(self) -> None:
         self.statistics = PeerStatistics(self.verify, max_peers=100_000)
@@ -196,6 +197,8 @@ class Judge:
             if r.reason != "atypical_text":
                 self.ledger.strike(r.peer_id, f"verify_{r.reason}", now)
         for e in result.evidence:
+            if e.gap is not None:
+                self.gaps.append(e.gap)
             if self.ledger.banned(e.peer_id) is not None:
                 continue
             self._record(e)
@@ -247,7 +250,7 @@ def honest_peers(lab: SamplingLab, engine: str, groups_per_engine: int, verify: 
     t, r = lab.version, lab.config.prompts_per_step
     per_setting = math.ceil(groups_per_engine / len(SETTINGS) / r) * r
     out: dict = {"groups": 0, "refused": Counter(), "banned": {}, "peaks": {}, "theta": {}, "seconds": 0.0,
-                 "generate_s": 0.0}
+                 "generate_s": 0.0, "gaps": []}
     started = time.perf_counter()
     for temperature, top_p in SETTINGS:
         peer = f"{engine}/T{temperature:g}/p{top_p:g}"
@@ -263,11 +266,24 @@ def honest_peers(lab: SamplingLab, engine: str, groups_per_engine: int, verify: 
             judge(lab.check(verifier, groups))
             out["groups"] += len(groups)
         out["refused"].update(judge.refused)
+        out["gaps"].extend(judge.gaps)
         out["banned"].update({p: b.reason for p, b in judge.ledger.bans.items()})
         out["peaks"][peer] = judge.peaks.get(peer, {})
         out["theta"][peer] = {test: lundberg(x) for test, x in judge.increments.get(peer, {}).items()}
     out["seconds"] = time.perf_counter() - started
     return out
+
+
+def describe_gaps(gaps: list[float], tolerance: float) -> str:
+    """The spread of groups' largest choice gaps (nats of logits) against `sample_tolerance`."""
+    if not gaps:
+        return "choice gaps: none re-derived"
+    x = torch.tensor(gaps, dtype=torch.float64)
+    q = lambda f: float(torch.quantile(x, f))  # noqa: E731
+    over = {d: int((x > d).sum()) for d in sorted({0.25, 0.5, 0.75, 1.0, tolerance})}
+    return (f"largest choice gap per group, nats of logits, over {len(gaps)} groups: median {q(0.5):.3g}, "
+            f"p99 {q(0.99):.3g}, p99.9 {q(0.999):.3g}, max {float(x.max()):.3g}; groups past "
+            + ", ".join(f"{d:g}: {n}" for d, n in over.items()))
 
 
 # ------------------------------------------------------------------------------------- attacks
@@ -369,6 +385,11 @@ def honest_phase(lab: SamplingLab, engines: list[str], groups_per_engine: int, v
     print("|---|---|---|---|---|---|---|---|")
     out = {}
     rng = random.Random(1)
+    import logging
+
+    verify_log = logging.getLogger("echo2swarm.train.verify")
+    level = verify_log.level
+    verify_log.setLevel(logging.WARNING)  # an honest group refused says why
     for engine in engines:
         result = honest_peers(lab, engine, groups_per_engine, verify, rng)
         peaks = result["peaks"].values()
@@ -387,7 +408,9 @@ def honest_phase(lab: SamplingLab, engines: list[str], groups_per_engine: int, v
               f"{rates['choice']:.1e} / {z_rate:.1e} | {hourly:.1e} |", flush=True)
         print(f"  ({result['seconds']:.0f} s, of which generating {result['generate_s']:.0f} s: "
               f"{result['groups'] / max(1e-9, result['generate_s']):.1f} groups/s)")
+        print("  " + describe_gaps(result["gaps"], verify.sample_tolerance))
         out[engine] = result
+    verify_log.setLevel(level)
     return out
 
 
@@ -409,6 +432,12 @@ def attacks_phase(lab: SamplingLab, *, trials: int, window: int, veteran_window:
         for k in (0, 1):
             pools[(attack, k)] = attack_pool(lab, attack, lab.version - k, pool_size, other, rng)
     print(f"  (pools built in {time.perf_counter() - started:.0f} s)")
+    for attack in ATTACKS:  # what one group's largest gap says, before any per-peer test
+        judge, verifier = Judge(verify), lab.verifier(1.0, 1.0, **{**verify.model_dump(), "sample_fraction": 1.0})
+        pool, r = pools[(attack, 0)], lab.config.prompts_per_step
+        for start in range(0, len(pool), r):
+            judge(lab.check(verifier, [Group(**{**g.__dict__, "peer_id": f"gaps-{start}"}) for g in pool[start:start + r]]))
+        print(f"  {attack}, k = 0: " + describe_gaps(judge.gaps, verify.sample_tolerance))
     for label, k, veteran, limit in regimes:
         print(f"\n{label}:")
         cols = [m for m in marks if m <= limit]

@@ -369,7 +369,7 @@ class VerifyConfig(_Section):
         "version; also the per-token bound against the current policy at staleness 0.",
     )
     exact_mean_tolerance: float = Field(
-        0.1, gt=0, description="Nats: largest mean |claimed - recomputed| logprob over a group's tokens under its "
+        0.2, gt=0, description="Nats: largest mean |claimed - recomputed| logprob over a group's tokens under its "
         "own version.",
     )
     token_gap_per_version: float = Field(
@@ -381,7 +381,7 @@ class VerifyConfig(_Section):
         "k-versions-old group's mean gap to the current policy.",
     )
     sample_tolerance: float = Field(
-        0.5, ge=0, description="Nats of logits: how far an honest engine's logits may differ from the learner's in "
+        1.0, ge=0, description="Nats of logits: how far an honest engine's logits may differ from the learner's in "
         "the seeded-choice check (protocol.md §10.4.1 check 6; measured: benchmarks.md, 'Seeded sampling').",
     )
     require_seeded: bool = Field(
@@ -396,12 +396,16 @@ class VerifyConfig(_Section):
         64, ge=0, description="A peer's first N groups are checked under their own version (choices re-derived) "
         "whatever their staleness; later ones by sample_fraction and suspicion (protocol.md §10.4.1).",
     )
+    peer_choice_scale: float = Field(
+        0.25, ge=0, description="Nats of logits: a re-derived choice this far or more below the sampler's counts 1 "
+        "toward its peer's choice CUSUM, nearer ones (gap / scale)² (protocol.md §10.4.1 'Per-peer tests').",
+    )
     peer_choice_allowance: float = Field(
-        0.03, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
+        0.004, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
         "(protocol.md §10.4.1 'Per-peer tests'; honest engines measured: benchmarks.md, 'Attacks on sampling').",
     )
     peer_choice_threshold: float | None = Field(
-        1.0, gt=0, description="A peer whose CUSUM of choice evidence reaches this is banned (verify_peer_statistics). "
+        3.0, gt=0, description="A peer whose CUSUM of choice evidence reaches this is banned (verify_peer_statistics). "
         "None: no such test.",
     )
     peer_z_allowance: float = Field(

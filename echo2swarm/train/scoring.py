@@ -155,20 +155,20 @@ class ChoiceGaps(NamedTuple):
 
     gap: torch.Tensor  # the largest gap of any position (-inf when none is defined)
     outside: torch.Tensor  # bool: a sent token is surely outside the nucleus
-    evidence: torch.Tensor  # Σ over positions of min(1, (gap / delta)²), 1 for a token surely outside
+    evidence: torch.Tensor  # Σ over positions of min(1, (gap / scale)²), 1 for a token surely outside
     positions: torch.Tensor  # positions re-derived
 
 
-def choice_evidence(gap: torch.Tensor, outside: torch.Tensor, delta: float) -> torch.Tensor:
-    """Per position: min(1, (gap / delta)²), and 1 where the sent token is surely outside the nucleus.
+def choice_evidence(gap: torch.Tensor, outside: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per position: min(1, (gap / scale)²), and 1 where the sent token is surely outside the nucleus.
 
     An honest engine's choice is the argmax up to its numeric noise, so most positions give 0 and the
-    rest a small fraction of delta; a sampler that is not the lease's (another temperature, top_p,
-    model) moves many choices by a fair fraction of delta. Squaring keeps the honest noise's share
-    small; the cap at 1 keeps one position from weighing more than a refusal (docs/protocol.md §10.4.1).
-    With delta = 0 every positive gap counts 1."""
+    rest a small fraction of the scale; a sampler that is not the lease's (another temperature, top_p,
+    model) moves many choices by more. Squaring keeps the honest noise's share small; the cap at 1
+    keeps one position from weighing more than any other far choice (docs/protocol.md §10.4.1).
+    With scale = 0 every positive gap counts 1."""
     gap = gap.clamp(min=0).nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    weight = (gap > 0).float() if delta <= 0 else (gap / delta).square_().clamp_(max=1.0)
+    weight = (gap > 0).float() if scale <= 0 else (gap / scale).square_().clamp_(max=1.0)
     return torch.where(outside, torch.ones_like(weight), weight)
 
 
@@ -180,6 +180,7 @@ def choice_gaps_of(
     *,
     top_p: float,
     delta: float,
+    scale: float | None = None,
     chunk_elements: int = CHOICE_CHUNK_ELEMENTS,
 ) -> ChoiceGaps:
     """Re-derive the seeded sampler's choices of the completion tokens of ``rows`` (``[r]`` long)
@@ -188,7 +189,8 @@ def choice_gaps_of(
     ``keys`` (``[B, 2]`` int64): each row's key words (k0, k1); a completion's token at index t
     (0 = its first generated token) gets the noise of position t. Returns, per row of ``rows``,
     the largest gap, whether a sent token is surely outside the nucleus, the summed
-    `choice_evidence` and the number of positions (`ChoiceGaps`).
+    `choice_evidence` at ``scale`` (``delta`` when None; both in the units of logits / T) and the
+    number of positions (`ChoiceGaps`).
     """
     with torch.no_grad():
         logits = scored.logits
@@ -216,7 +218,7 @@ def choice_gaps_of(
                                    top_p, delta)
             gaps.scatter_reduce_(0, local[part], gap, "amax")
             outside[local[part][out]] = True
-            evidence.scatter_add_(0, local[part], choice_evidence(gap, out, delta))
+            evidence.scatter_add_(0, local[part], choice_evidence(gap, out, delta if scale is None else scale))
         positions.scatter_add_(0, local, torch.ones_like(local))
         return ChoiceGaps(gaps, outside, evidence, positions)
 

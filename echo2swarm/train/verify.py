@@ -434,7 +434,8 @@ class Verifier:
         under ``scored``'s logits (``rows``: the members' rows there, in order)."""
         # δ bounds how far an honest engine's logits differ from ours; the scores are logits / T.
         delta = self.config.sample_tolerance / self.temperature
-        found = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta)
+        found = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta,
+                               scale=self.config.peer_choice_scale / self.temperature)
         figures = torch.stack([found.gap, found.outside.float(), found.evidence, found.positions.float()]).cpu()
         start = 0
         for p in members:

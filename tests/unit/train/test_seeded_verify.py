@@ -15,6 +15,7 @@ import torch
 from helpers.verify_lab import Lab, write_peaked_model
 
 from echo2swarm.config.rl import VerifyConfig
+from echo2swarm.learner.evidence import PeerStatistics
 from echo2swarm.models.tiny import write_tiny_model
 from echo2swarm.rollout.engines.hf import TransformersEngine
 from echo2swarm.train.group import Group
@@ -63,11 +64,21 @@ def refused_as(lab: Lab, groups: list[Group]) -> list[str]:
     return [r.reason for r in result.refusals]
 
 
+def crossed_after(lab: Lab, groups: list[Group]) -> tuple[list[str], int | None]:
+    """The refusals of one check of ``groups`` (one peer's), and after how many of them its choice
+    test crossed (None: it did not)."""
+    result = lab.check(lab.verifier(), groups)
+    statistics = PeerStatistics(lab.trainer.verify_config, max_peers=4)
+    crossed = next((n + 1 for n, e in enumerate(result.evidence) if statistics.observe(e) is not None), None)
+    return [r.reason for r in result.refusals], crossed
+
+
 def test_groups_sampled_otherwise_than_the_lease_says_are_refused(peaked_model_dir: Path, tmp_path: Path) -> None:
     lab = attack_lab(peaked_model_dir, tmp_path)  # the lease: T = 1, top_p = 1, seed 21
     prompts = range(300, 306)
     honest = lab.generate(prompts, 1, seed=21, seeded=True)
     assert refused_as(lab, honest) == []
+    assert crossed_after(lab, honest)[1] is None
     attacks = {
         "T 1.2": lab.generate(prompts, 1, seed=21, seeded=True, temperature=1.2),
         "T 0.8": lab.generate(prompts, 1, seed=21, seeded=True, temperature=0.8),
@@ -79,9 +90,14 @@ def test_groups_sampled_otherwise_than_the_lease_says_are_refused(peaked_model_d
         for g in groups:  # the policy's true logprobs, as the engine would have reported them: only the choices lie
             lab.true_logprobs(g, 1)
             g.seed = 21
-        reasons = refused_as(lab, groups)
-        assert reasons and set(reasons) == {"sample_mismatch"}, (name, reasons)
-        assert len(reasons) >= 4, (name, reasons)  # of 6 groups of 8 completions
+        reasons, crossed = crossed_after(lab, groups)
+        assert set(reasons) <= {"sample_mismatch"}, (name, reasons)
+        if name.startswith("T "):
+            # Within δ of the lease's choices at most positions, so few groups are proof alone; the
+            # peer's choice test, fed every group, crosses within these six.
+            assert crossed is not None, name
+        else:
+            assert len(reasons) >= 4, (name, reasons)  # of 6 groups of 8 completions
 
 
 def test_another_model_with_the_policys_true_logprobs_is_refused(peaked_model_dir: Path, tmp_path: Path) -> None:
