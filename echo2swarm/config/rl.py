@@ -401,11 +401,11 @@ class VerifyConfig(_Section):
         "toward its peer's choice CUSUM, nearer ones (gap / scale)² (protocol.md §10.4.1 'Per-peer tests').",
     )
     peer_choice_allowance: float = Field(
-        0.004, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
+        0.003, ge=0, description="Choice evidence per re-derived position that a peer's sequential test forgives "
         "(protocol.md §10.4.1 'Per-peer tests'; honest engines measured: benchmarks.md, 'Attacks on sampling').",
     )
     peer_choice_threshold: float | None = Field(
-        3.0, gt=0, description="A peer whose CUSUM of choice evidence reaches this is banned (verify_peer_statistics). "
+        4.0, gt=0, description="A peer whose CUSUM of choice evidence reaches this is banned (verify_peer_statistics). "
         "None: no such test.",
     )
     peer_z_allowance: float = Field(
