@@ -205,10 +205,15 @@ class StreamedPolicy(torch.nn.Module):
             for module, local, _, skeleton, *_ in self._slots:
                 module._parameters[local] = skeleton  # a forward that raised left some loaded
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0) -> Any:
+        """The policy's forward (``logits_to_keep`` declared, so callers keep only the logits they need)."""
         if self._weights is None:
             raise RuntimeError("StreamedPolicy: call it within `with streamed.use(weights):`")
-        out = self.inner(*args, **kwargs)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache}
+        if logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
+        out = self.inner(input_ids=input_ids, **kwargs)
         logits = getattr(out, "logits", None)
         if isinstance(logits, torch.Tensor) and logits.is_meta:
             raise RuntimeError("StreamedPolicy: the policy used a parameter outside its own module's forward")
