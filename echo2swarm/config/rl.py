@@ -424,8 +424,8 @@ class VerifyConfig(_Section):
         "exactly for this many steps.",
     )
     spare_models: int = Field(
-        1, ge=1, le=8, description="Sharded (torchrun) learners: sharded copies of the policy kept for the exact check "
-        "of older versions, least recently used replaced first. A single-device learner streams them and keeps none.",
+        1, ge=1, le=8, description="Whole copies of the policy kept for exact checks where a verifier loads older "
+        "versions whole (benchmarks' baseline); the learner streams them from its store and keeps none.",
     )
     seed: int | None = Field(
         None, ge=0, description="Seeds the choice of sampled groups (tests). None: unpredictable, so a peer cannot "

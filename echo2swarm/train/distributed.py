@@ -26,25 +26,28 @@ from __future__ import annotations
 import os
 import random
 import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.group import Group
 from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
 from echo2swarm.train.trainer import GRPOTrainer, train_without_dropout, unique_state_dict
+from echo2swarm.train.streamed import StreamedPolicy, VersionWeights, parameters_on_meta
 from echo2swarm.train.verify import WeightsOf, check_finite
 from echo2swarm.runtime.logging import get_logger
 
@@ -204,14 +207,14 @@ class ShardedTrainer(GRPOTrainer):
         return reference.eval()
 
     def _verify_spare(self) -> torch.nn.Module:
-        return self._spare_model()  # sharded, so a rank holds 1/world of a copy: not streamed (yet)
-
-    def _spare_model(self) -> torch.nn.Module:
-        """A sharded model for an older version's weights (verification), loaded from rank 0."""
-        model = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-        model = shard_model(model, self.mesh, bf16=self.bf16)
-        model.requires_grad_(False)
-        return _SpareOnRanks(model.eval(), self)
+        """Older versions for the verifier: rank 0 streams them through an unsharded skeleton (one
+        module's weights at a time, fp32, on its device) and sends the logits to the other ranks."""
+        streamed = None
+        if self.rank == 0:
+            with parameters_on_meta():
+                skeleton = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+            streamed = StreamedPolicy(_buffers_to(skeleton, self.device), device=self.device)
+        return _StreamedOnRanks(streamed, self)
 
     # -- collectives ---------------------------------------------------------------------------
     def _from_rank0(self, value: Any) -> Any:
@@ -224,20 +227,21 @@ class ShardedTrainer(GRPOTrainer):
             raise RuntimeError(f"{name} is rank 0's to call; rank {self.rank} follows in serve()")
         self._from_rank0((name, args))
 
-    def _weights_of(self, version: int) -> dict[str, torch.Tensor] | None:
-        """Version ``version``'s weights for the verifier: rank 0 reads them, every rank learns
-        whether there are any (the others get an empty dict: `_SpareOnRanks` loads from rank 0)."""
-        tensors = None
+    def _weights_of(self, version: int) -> VersionWeights | dict[str, torch.Tensor] | None:
+        """Version ``version``'s weights for the verifier, agreed on every rank: rank 0 opens them
+        (headers checked, no tensor read), the others learn whether there are any and get an empty
+        dict (`_StreamedOnRanks` reads on rank 0 only)."""
+        found: Any = None
         if self.rank == 0 and self._weights_of_rank0 is not None:
             try:
                 found = self._weights_of_rank0(version)
                 if isinstance(found, (str, Path)):
-                    found = {k: v for f in sorted(Path(found).glob("*.safetensors")) for k, v in load_file(f).items()}
-                tensors = found or None
-            except Exception as e:  # a store mid-collection, a file gone: no exact check, not a crash
+                    found = VersionWeights(found)
+            except Exception as e:  # a store mid-collection, a file gone or damaged: no exact check, not a crash
                 logger.warning("verify: weights of v%d unavailable (%s: %s)", version, type(e).__name__, e)
-        available = self._from_rank0(tensors is not None)
-        return (tensors if self.rank == 0 else {}) if available else None
+                found = None
+        available = self._from_rank0(found is not None)
+        return (found if self.rank == 0 else {}) if available else None
 
     def _load_full(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Rank 0's full ``tensors`` into every rank's shards of ``model`` (ValueError on every rank
@@ -391,23 +395,55 @@ class ShardedTrainer(GRPOTrainer):
                 logger.warning("rank %d: %s failed on every rank: %s", self.rank, name, e)
 
 
-class _SpareOnRanks(torch.nn.Module):
-    """A sharded spare model the verifier loads like a plain one: `load_state_dict` takes rank 0's
-    full tensors (an empty dict elsewhere) and shards them on every rank."""
+def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` with its buffers on ``device`` (its parameters may be on the meta device)."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+    return module
 
-    def __init__(self, inner: torch.nn.Module, trainer: ShardedTrainer):
+
+class _StreamedOnRanks(torch.nn.Module):
+    """The verifier's view of older versions on W ranks: rank 0's `StreamedPolicy` runs each forward,
+    and every rank returns the logits rank 0 computed, so all ranks judge the same (a failure on rank
+    0 raises on every rank, before or after its forward)."""
+
+    def __init__(self, streamed: StreamedPolicy | None, trainer: ShardedTrainer):
         super().__init__()
-        self.inner = inner
+        self.streamed = streamed  # rank 0 only
         self._trainer = [trainer]  # in a list: not a submodule
+
+    @contextmanager
+    def use(self, weights: Any) -> Iterator[_StreamedOnRanks]:
+        trainer = self._trainer[0]
+        with ExitStack() as stack:
+            problem = None
+            if self.streamed is not None:
+                try:
+                    stack.enter_context(self.streamed.use(weights))
+                except ValueError as e:
+                    problem = str(e)
+            problem = trainer._from_rank0(problem)
+            if problem:
+                raise ValueError(problem)
+            yield self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, use_cache: bool = False, logits_to_keep: int = 0) -> Any:
-        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=use_cache, logits_to_keep=logits_to_keep)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        self._trainer[0]._load_full(self.inner, dict(state_dict))
-        return _IncompatibleKeys([], [])
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        return {}
+        trainer = self._trainer[0]
+        logits, shape = None, None
+        if self.streamed is not None:
+            try:
+                logits = self.streamed(input_ids, attention_mask, position_ids, use_cache, logits_to_keep).logits
+                logits = logits.float().contiguous()
+                shape = tuple(logits.shape)
+            except Exception as e:  # every rank must leave this forward the same way
+                logger.warning("verify: rank 0's forward of an older version failed: %s: %s", type(e).__name__, e)
+        shape = trainer._from_rank0(shape)
+        if shape is None:
+            raise RuntimeError("verify: rank 0 could not compute an older version's logits (its log says why)")
+        if logits is None:
+            logits = torch.empty(shape, dtype=torch.float32, device=trainer.device)
+        dist.broadcast(logits, src=0)  # the default group: NCCL for CUDA tensors, gloo on the CPU
+        return SimpleNamespace(logits=logits)

@@ -31,11 +31,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StreamedPolicy", "TensorWeights", "VersionWeights"]
+__all__ = ["StreamedPolicy", "Streaming", "TensorWeights", "VersionWeights", "parameters_on_meta"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -108,6 +108,32 @@ class TensorWeights:
         return out.copy_(self.tensors[name])
 
 
+@runtime_checkable
+class Streaming(Protocol):
+    """What the verifier streams older versions through: `StreamedPolicy`, or the sharded trainer's
+    rank-0 form of it (train/distributed.py)."""
+
+    def use(self, weights: Any) -> Any: ...
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built within get their parameters on the meta device (no memory, initialisers do
+    nothing) and their buffers as usual: a skeleton for `StreamedPolicy` from a config alone."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def _layout(path: Path) -> dict[str, _Entry]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -149,14 +175,18 @@ class StreamedPolicy(torch.nn.Module):
     largest set of distinct shapes loaded together (a decoder layer's, the embedding, the head).
     """
 
-    def __init__(self, policy: torch.nn.Module):
+    def __init__(self, policy: torch.nn.Module, device: torch.device | None = None):
+        """``device``: where the parameters are loaded (default: where each of the policy's lives; a
+        policy whose parameters are on the meta device needs one, and its buffers should be there)."""
         super().__init__()
         memo: dict[int, Any] = {}
         where: dict[int, tuple[torch.dtype, torch.device]] = {}
         for p in policy.parameters():
             skeleton = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
             memo[id(p)] = skeleton
-            where[id(skeleton)] = (p.dtype, p.device)
+            where[id(skeleton)] = (p.dtype, device if device is not None else p.device)
+            if where[id(skeleton)][1].type == "meta":
+                raise ValueError("StreamedPolicy: the policy's parameters are on the meta device; pass device=")
         self.inner = copy.deepcopy(policy, memo).eval()  # buffers copied; parameters the meta skeletons
         self.inner.requires_grad_(False)
         aliases: dict[int, list[str]] = {}  # a parameter's names (several when tied)

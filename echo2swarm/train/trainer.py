@@ -149,7 +149,8 @@ class GRPOTrainer(UpdatePath):
         return StreamedPolicy(self.model)
 
     def _spare_model(self) -> torch.nn.Module:
-        """A second copy of the policy on the training device, to hold older versions' weights.
+        """A whole second copy of the policy on the training device (tools and the benchmarks' baseline
+        for the verifier; the verifier itself streams older versions: `_verify_spare`).
 
         A copy of the module (a device-side copy, no random initialisation), without gradients:
         they are set aside while it is made and put back after.

@@ -34,9 +34,9 @@ group of version v)::
       └─► per group measured under its own version, what the per-peer tests add up (`GroupEvidence`,
             learner/evidence.py): its choice evidence and signed z (below 0: colder than sampling)
 
-Memory: an older version's forward holds one module's weights at a time (a sharded learner's
-`make_spare` gives whole sharded copies instead: at most `spare_models`); sampling statistics in row
-chunks beside the step's logits.
+Memory: an older version's forward holds one buffer per parameter shape while it runs, no copy of
+the policy (train/streamed.py; a sharded learner's rank 0 runs it and sends the logits to the other
+ranks); sampling statistics in row chunks beside the step's logits.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ import torch
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import CompletionLogits, completion_logits
-from echo2swarm.train.streamed import StreamedPolicy, TensorWeights, VersionWeights
+from echo2swarm.train.streamed import Streaming, TensorWeights, VersionWeights
 from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, choice_gaps_of, score_logits
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.sampling import SAMPLERS, completion_key
@@ -230,7 +230,7 @@ class Verifier:
         self.weights_of = weights_of
         self.make_spare = make_spare
         self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> loaded model, LRU order
-        self._streamed: StreamedPolicy | None = None  # the skeleton older versions stream through, if make_spare gives one
+        self._streamed: Streaming | None = None  # what older versions stream through, if make_spare gives one
         self._loose: torch.nn.Module | None = None  # a whole model made while finding that out, not yet loaded
         self._rng: random.Random = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self._suspects: dict[str, int] = {}  # peer id -> last check() that refused or doubted one of its groups
@@ -482,15 +482,15 @@ class Verifier:
     @contextmanager
     def _version_model(self, version: int) -> Iterator[torch.nn.Module | None]:
         """A model computing version ``version``'s logits within the block, or None when its weights are
-        not available. `make_spare` gives either a `StreamedPolicy` (the single-device trainer: the
-        version's weights read module by module during each forward, none kept) or a model to load
-        whole (the sharded trainer: `spare_models` of them kept, least recently used reloaded)."""
+        not available. `make_spare` gives either something `Streaming` (the trainers: the version's
+        weights read module by module during each forward, none kept) or a model to load whole (the
+        benchmarks' baseline: `spare_models` of them kept, least recently used reloaded)."""
         if self.weights_of is None or self.make_spare is None:
             yield None
             return
         if self._streamed is None and self._loose is None and not self._spares:
             spare = self.make_spare()
-            if isinstance(spare, StreamedPolicy):
+            if isinstance(spare, Streaming):
                 self._streamed = spare
             else:
                 self._loose = spare
@@ -511,6 +511,8 @@ class Verifier:
             weights = self.weights_of(version) if self.weights_of is not None else None
             if weights is None:
                 return None
+            if isinstance(weights, VersionWeights):
+                weights = weights.dir
             if streamed:
                 return VersionWeights(weights) if isinstance(weights, (str, Path)) else TensorWeights(weights)
             return _read_model_dir(Path(weights)) if isinstance(weights, (str, Path)) else weights

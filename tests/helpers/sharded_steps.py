@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, help="run dir: write a checkpoint after the steps")
     args = parser.parse_args()
     config = TrainConfig(**{"device": "cpu", "lr": 2e-3, "kl_coef": 0.05, "seed": 3, **json.loads(args.train)})
-    # One spare model for two versions: it is reloaded after forwards (FSDP must have resharded it).
+    # Exact checks of two older versions: rank 0 streams each and sends the logits to the other rank.
     verify = VerifyConfig(seed=0, sample_fraction=1.0, spare_models=1)
     rank = int(__import__("os").environ.get("RANK", "0"))
     if rank != 0:
