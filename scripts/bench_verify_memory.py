@@ -4,7 +4,7 @@
 the whole fp32 spare copy the verifier loaded before, in one run.
 
     python scripts/bench_verify_memory.py [--layers 2] [--hidden 4096 --intermediate 12288 --heads 32 --kv-heads 8]
-                                          [--vocab 0] [--steps 2] [--json]
+                                          [--vocab 0] [--steps 2] [--device cpu|cuda] [--json]
 
 A Qwen3 of Qwen3-8B's layer shape (hidden 4096, MLP 12288, 32 heads, 8 key/value heads of 128), random
 init, `--layers` deep (2 by default: an 8B's 36 do not fit this machine's memory with their AdamW
@@ -19,7 +19,7 @@ pass it where memory allows). Three fresh processes, each the plain single-devic
 
 Each warms up (AdamW state made), then takes `--steps` measured steps; figures: the peak anonymous
 resident set (RssAnon, sampled every 5 ms) over the measured steps less the process's before the model
-was built, and the median step time. Ratios against "off" are printed in the same run. Tolerances are
+was built (with `--device cuda`: the GPU's peak allocation), and the median step time. Ratios against "off" are printed in the same run. Tolerances are
 open wide, so every group trains in every variant: the steps differ only by the check.
 """
 
@@ -58,7 +58,7 @@ def variant_main(variant: str, model_dir: str, args: argparse.Namespace, results
     from echo2swarm.train.trainer import GRPOTrainer
     from echo2swarm.train.verify import Verifier
 
-    config = TrainConfig(device="cpu", lr=1e-5, group_size=args.group_size, max_new_tokens=args.completion_len,
+    config = TrainConfig(device=args.device, lr=1e-5, group_size=args.group_size, max_new_tokens=args.completion_len,
                          ppo_epochs=1, minibatches=1, threads=args.threads)
     wide = VerifyConfig(enabled=variant != "off", seed=0, sample_fraction=1.0, exact_tolerance=1e9,
                         exact_mean_tolerance=1e9, typicality_z=None, require_seeded=False, peer_choice_threshold=None,
@@ -82,13 +82,21 @@ def variant_main(variant: str, model_dir: str, args: argparse.Namespace, results
 
     for _ in range(args.warmup):
         run_step()
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(trainer.device)
+        torch.cuda.reset_peak_memory_stats(trainer.device)
     reset_peak_rss()
     with AnonPeak() as anon:
         measured = [run_step() for _ in range(args.steps)]
     last = measured[-1][1]
+    # CUDA: the device's peak allocation; the CPU: the peak anonymous resident set over the process's
+    # before the model was built.
+    peak = torch.cuda.max_memory_allocated(trainer.device) if cuda else anon.peak - baseline_anon
     results.put({"variant": variant, "step_s": statistics.median(t for t, _ in measured),
-                 "trainer_gib": (anon.peak - baseline_anon) / GIB, "state_gib": state_bytes(trainer) / GIB,
-                 "exact": last.get("verify_exact", 0), "refused": len(last.get("refused_groups", []))})
+                 "trainer_gib": peak / GIB, "state_gib": state_bytes(trainer) / GIB,
+                 "exact": last.get("verify_exact", 0), "refused": len(last.get("refused_groups", [])),
+                 "device": torch.cuda.get_device_name(trainer.device) if cuda else "cpu"})
 
 
 def measure(variant: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -125,6 +133,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: peak GPU memory allocated instead of RssAnon")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -166,7 +175,7 @@ def main() -> None:
     print(f"Qwen3, layer shape of Qwen3-8B (hidden {args.hidden}, MLP {args.intermediate}, {args.heads}/{args.kv_heads} "
           f"heads), {args.layers} layers, vocabulary {args.vocab}: {params / 1e9:.3f}B params, fp32 masters, AdamW; "
           f"{args.groups}x{args.group_size} sequences of {args.prompt_len}+{args.completion_len} tokens a step, all one "
-          f"version old; median of {args.steps} steps after {args.warmup}")
+          f"version old; median of {args.steps} steps after {args.warmup}; {rows[0]['device']}")
     print(f"{'verification':<14}{'peak GiB':>10}{'x off':>8}{'step s':>9}{'x off':>8}{'state GiB':>11}"
           f"{'checked exactly':>17}{'refused':>9}")
     for r in rows:

