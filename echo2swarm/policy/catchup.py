@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import threading
@@ -29,8 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from echo2swarm.config.models import MAX_KEYFRAME_EVERY
-from echo2swarm.policy.manifest import SAFETENSORS_MAX_HEADER, DeltaFile, Manifest, sha256_hex
+from echo2swarm.policy.manifest import DeltaFile, Manifest, sha256_hex
 from echo2swarm.runtime.logging import get_logger
+from echo2swarm.runtime.safetensors import ITEMSIZE, TensorSlot, safetensors_layout
 
 if TYPE_CHECKING:
     import numpy as np
@@ -134,18 +134,7 @@ def path_label(hops: list[Hop], target: int) -> str:
     return "delta" if len(hops) == 1 else "chain"
 
 
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
-
-
-@dataclass(frozen=True)
-class _Slot:
-    """One tensor of a safetensors file: dtype, shape and its bytes' place in the file."""
-
-    dtype: str
-    shape: list[int]
-    start: int
-    end: int
 
 
 def sha256_views(views: Mapping[str, "np.ndarray"]) -> dict[str, str]:
@@ -164,39 +153,16 @@ def sha256_views(views: Mapping[str, "np.ndarray"]) -> dict[str, str]:
         return dict(pool.map(one, items))
 
 
-def _safetensors_layout(path: Path, size: int, reason: str = "wrong_base") -> dict[str, _Slot]:
-    """The tensors of a safetensors file from its header, every range checked to lie in the file,
-    match its dtype and shape, and overlap no other. DeltaRefused(`reason`) otherwise."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < header_len <= min(size - 8, SAFETENSORS_MAX_HEADER):
-            raise DeltaRefused(reason, f"{path.name}: not a safetensors file")
-        header = f.read(header_len)
+def _safetensors_layout(path: Path, size: int, reason: str = "wrong_base") -> dict[str, TensorSlot]:
+    """The tensors of a safetensors file (runtime/safetensors.py); DeltaRefused(`reason`) when its header
+    is not one a version's file may have."""
     try:
-        entries = json.loads(header)
-        data_start = 8 + header_len
-        slots = {}
-        for name, v in entries.items():
-            if name == "__metadata__":
-                continue
-            start, end = (data_start + int(o) for o in v["data_offsets"])
-            numel = 1
-            for d in v["shape"]:
-                numel *= int(d)
-            if v["dtype"] not in _ITEMSIZE or not data_start <= start <= end <= size \
-                    or end - start != numel * _ITEMSIZE[v["dtype"]]:
-                raise ValueError(f"tensor {name[:80]!r}: bad dtype or range")
-            slots[name] = _Slot(v["dtype"], [int(d) for d in v["shape"]], start, end)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise DeltaRefused(reason, f"{path.name}: unreadable safetensors header ({e})") from None
-    ranges = sorted((s.start, s.end) for s in slots.values())
-    if any(a_end > b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:])):
-        raise DeltaRefused(reason, f"{path.name}: tensors overlap")
-    return slots
+        return safetensors_layout(path, size)
+    except ValueError as e:
+        raise DeltaRefused(reason, str(e)) from None
 
 
-def _check_slots(manifest: Manifest, slots: Mapping[str, _Slot]) -> None:
+def _check_slots(manifest: Manifest, slots: Mapping[str, TensorSlot]) -> None:
     """DeltaRefused unless the file's tensors are the manifest's: the same names, dtypes and shapes."""
     expected = {t.name: t for t in manifest.tensors}
     if set(slots) != set(expected):
@@ -268,7 +234,7 @@ def _rebuild(manifest: Manifest, delta: DeltaFile, base_dir: Path, base: Manifes
         # A shared map of the copy (numpy's: it is unmapped when the last view goes, even one an
         # exception's traceback still holds): the delta's changes land in the file itself.
         mm = np.memmap(out, dtype=np.uint8, mode="r+", shape=(size,))
-        bits = {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
+        bits = {name: mm[s.start:s.end].view(_UINT[ITEMSIZE[s.dtype]]) for name, s in slots.items()}
         try:
             changed = apply_delta_bits(bits, blob, orders, moved)
         except DeltaError as e:
@@ -292,7 +258,7 @@ def weights_bits(path: Path) -> "dict[str, np.ndarray]":
     size = path.stat().st_size
     slots = _safetensors_layout(path, size)
     mm = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
-    return {name: mm[s.start:s.end].view(_UINT[_ITEMSIZE[s.dtype]]) for name, s in slots.items()}
+    return {name: mm[s.start:s.end].view(_UINT[ITEMSIZE[s.dtype]]) for name, s in slots.items()}
 
 
 class BaseOrders:
@@ -369,7 +335,7 @@ class BaseOrders:
 
 def _multibyte(manifest: Manifest) -> int:
     """Tensors of the manifest with items of more than one byte (those that have a visiting order)."""
-    return sum(_ITEMSIZE.get(_DTYPES.get(t.dtype, ""), 2) > 1 for t in manifest.tensors)
+    return sum(ITEMSIZE.get(_DTYPES.get(t.dtype, ""), 2) > 1 for t in manifest.tensors)
 
 
 def _numel(shape: list[int]) -> int:
@@ -388,7 +354,7 @@ def check_dense(manifest: Manifest, version_dir: Path) -> None:
         return
     import numpy as np
 
-    slots: dict[str, _Slot] = {}
+    slots: dict[str, TensorSlot] = {}
     views: dict[str, np.ndarray] = {}
     for file in sorted({t.file for t in manifest.tensors}):
         path = version_dir / file

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from echo2swarm.wire.records import MAX_VERSION, HeadRecord, RecordError, Sha256
 from echo2swarm.wire.signing import DOMAIN_MANIFEST, PolicyKey, PublicKey, canonical_bytes
+from echo2swarm.runtime.safetensors import MAX_HEADER
 
 MANIFEST_FORMAT = "echo2swarm-manifest/1"
 # Plain file names only: a manifest can never make a follower write outside its version directory.
@@ -35,7 +36,7 @@ MAX_CHUNKS = 1 << 20
 MAX_TENSORS = 1 << 16
 MAX_CHUNK_SIZE = 64 * 1024 * 1024
 MAX_ALTERNATIVES = 8  # deltas from other bases one manifest may offer (composites)
-SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024
+SAFETENSORS_MAX_HEADER = MAX_HEADER  # runtime/safetensors.py
 
 
 class ManifestError(RecordError):

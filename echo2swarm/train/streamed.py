@@ -17,7 +17,7 @@ forward, from the page cache when they were read lately:
                  module of the same shape
 
 `VersionWeights` reads tensors by name from a directory's ``*.safetensors`` files, every header checked
-(names, dtypes, shapes, ranges inside the file) before any tensor is read. A parameter used outside
+(runtime/safetensors.py: dtypes, shapes, ranges inside the file, no overlaps) before any tensor is read. A parameter used outside
 its own module's forward would meet a meta tensor: `StreamedPolicy` raises then, naming it, rather
 than computing on nothing.
 """
@@ -25,7 +25,6 @@ than computing on nothing.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,12 +34,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from echo2swarm.runtime.safetensors import safetensors_layout
+
 __all__ = ["StreamedPolicy", "Streaming", "TensorWeights", "VersionWeights", "parameters_on_meta"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-_MAX_HEADER = 100 << 20  # bytes: safetensors' own limit
+           "BOOL": torch.bool}  # every dtype of runtime/safetensors.py ITEMSIZE
 
 
 @dataclass(frozen=True)
@@ -140,32 +140,9 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def _layout(path: Path) -> dict[str, _Entry]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= min(size - 8, _MAX_HEADER):
-            raise ValueError(f"{path}: not a safetensors file")
-        header = f.read(length)
-    try:
-        items = json.loads(header)
-        entries: dict[str, _Entry] = {}
-        for name, v in items.items():
-            if name == "__metadata__":
-                continue
-            dtype = _DTYPES[v["dtype"]]
-            shape = tuple(int(d) for d in v["shape"])
-            start, end = (8 + length + int(o) for o in v["data_offsets"])
-            numel = 1
-            for d in shape:
-                numel *= d
-            if min(shape, default=0) < 0 or not 8 + length <= start <= end <= size \
-                    or end - start != numel * dtype.itemsize:
-                raise ValueError(f"tensor {name[:80]!r}: its range does not fit its dtype, shape or the file")
-            entries[name] = _Entry(path, dtype, shape, start, end)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
-    return entries
+    """A file's tensors by name (runtime/safetensors.py checks the header), in torch's dtypes."""
+    return {name: _Entry(path, _DTYPES[slot.dtype], tuple(slot.shape), slot.start, slot.end)
+            for name, slot in safetensors_layout(path, os.path.getsize(path)).items()}
 
 
 class StreamedPolicy(torch.nn.Module):

@@ -511,8 +511,8 @@ class Verifier:
             weights = self.weights_of(version) if self.weights_of is not None else None
             if weights is None:
                 return None
-            if isinstance(weights, VersionWeights):
-                weights = weights.dir
+            if isinstance(weights, VersionWeights):  # headers already read (the sharded trainer's rank 0)
+                return weights if streamed else _read_model_dir(weights.dir)
             if streamed:
                 return VersionWeights(weights) if isinstance(weights, (str, Path)) else TensorWeights(weights)
             return _read_model_dir(Path(weights)) if isinstance(weights, (str, Path)) else weights
