@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
 
+from echo2swarm.runtime.launcher import Launcher  # noqa: E402
 from helpers.swarm import BootstrapPool, LocalSwarm, log_digest  # noqa: E402
 
 LOG_TAIL_LINES = 60
@@ -103,9 +104,26 @@ def policy_key(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bootstrap_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BootstrapPool]:
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher | None]:
+    """The fork server the local swarms' daemons and their engine hosts start from (runtime/launcher.py):
+    each would otherwise import torch, transformers and hivemind anew. ECHO2SWARM_TEST_SPAWN=1 spawns
+    every daemon as a new interpreter instead, as users' own launches do."""
+    if os.environ.get("ECHO2SWARM_TEST_SPAWN") == "1":
+        yield None
+        return
+    started = Launcher(tmp_path_factory.mktemp("launcher")).start()
+    _LAUNCHERS.append(started)
+    try:
+        yield started
+    finally:
+        started.close()
+        _LAUNCHERS.remove(started)
+
+
+@pytest.fixture(scope="session")
+def bootstrap_pool(tmp_path_factory: pytest.TempPathFactory, launcher: Launcher | None) -> Iterator[BootstrapPool]:
     """Bootstraps started a test ahead (helpers/swarm.py `BootstrapPool`): `LocalSwarm.bootstrap()` takes one."""
-    pool = BootstrapPool(tmp_path_factory.mktemp("bootstraps"))
+    pool = BootstrapPool(tmp_path_factory.mktemp("bootstraps"), launcher)
     try:
         yield pool
     finally:
@@ -117,6 +135,8 @@ def local_swarm(tmp_path: Path, request: pytest.FixtureRequest, bootstrap_pool: 
     """A swarm of this test's own: for a test that kills, restarts or poisons daemons, or that counts
     exactly who is in the swarm."""
     swarm = LocalSwarm(tmp_path / "swarm", swarm="t" + str(abs(hash(request.node.name)) % 10**8), pool=bootstrap_pool)
+    if request.node.get_closest_marker("spawn"):
+        swarm.launcher = None
     try:
         yield swarm
     finally:
@@ -182,11 +202,14 @@ def _swarms(value: Any) -> list[LocalSwarm]:
 _CPU_START = pytest.StashKey[float]()
 _WALL = pytest.StashKey[float]()
 _CPU_REPORT: list[tuple[float, float, str]] = []
+_LAUNCHERS: list[Launcher] = []
 
 
 def _cpu_seconds() -> float:
+    """This process's CPU, its reaped children's, and that of the processes its launcher forked and reaped."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    forked = sum(launcher.reaped_cpu_s() for launcher in _LAUNCHERS)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from echo2swarm.cli._common import WARMUP_ACCURACY, WARMUP_STEPS
 from echo2swarm.config.rl import TrainConfig
 from echo2swarm.learner.metrics import read_metrics
+from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
 _TRAIN = TrainConfig()  # the learner's defaults, where the demo keeps them
@@ -170,13 +171,17 @@ def run_demo(opts: DemoOptions) -> int:
     common = loopback_args(opts.swarm)
     daemons: list[DaemonProcess] = []
     started = time.monotonic()
+    # The daemons and their engine hosts fork from one process that imported torch, transformers and
+    # hivemind once (runtime/launcher.py), instead of each importing them again on a laptop's cores.
+    launcher = Launcher().start()
     try:
-        boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap")
+        boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap",
+                             launcher=launcher)
         daemons.append(boot.start())
         boot.wait_ready(60)
         join = ["--initial-peers", boot.maddr]
         learner = DaemonProcess("learner", [*common, *join, "--config", str(_learner_toml(opts, model_dir, key_path))],
-                                run_dir / "learner")
+                                run_dir / "learner", launcher=launcher)
         daemons.append(learner.start())
         for i in range(opts.rollout_peers):
             peer = DaemonProcess(
@@ -184,6 +189,7 @@ def run_demo(opts: DemoOptions) -> int:
                 [*common, *join, "--role", "rollout", "--price", f"{0.2 + 0.1 * i:.2f}", "--trust", f"{key_path}.pub"],
                 run_dir / f"rollout-{i + 1}", env={"ECHO2SWARM_ENGINE__TYPE": opts.engine, "OMP_NUM_THREADS": "1",
                                                     "ECHO2SWARM_ENGINE__THREADS": str(opts.threads)},
+                launcher=launcher,
             )
             daemons.append(peer.start())
         learner.wait_ready(120)
@@ -204,6 +210,7 @@ def run_demo(opts: DemoOptions) -> int:
         return 1
     finally:
         timings = [(d.name, d.terminate()) for d in reversed(daemons)]
+        launcher.close()
         console.print("stopped: " + ", ".join(f"{name} in {secs:.1f}s" for name, secs in timings))
 
 

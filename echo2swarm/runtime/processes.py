@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from echo2swarm.runtime.launcher import LaunchedProcess, Launcher
+
 T = TypeVar("T")
 
 
@@ -87,15 +89,20 @@ class DaemonProcess:
     """
 
     def __init__(self, name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None,
-                 wrap: list[str] | None = None):
-        """`wrap`: a prefix that execs the command elsewhere (`ip netns exec NS`), so the pid stays the daemon's."""
+                 wrap: list[str] | None = None, launcher: Launcher | None = None):
+        """`wrap`: a prefix that execs the command elsewhere (`ip netns exec NS`), so the pid stays the daemon's.
+        `launcher`: fork the daemon from this fork server (runtime/launcher.py) instead of starting a
+        new interpreter; not with `wrap`."""
+        if wrap and launcher is not None:
+            raise ValueError("a wrapped daemon cannot be forked from a launcher")
         self.name = name
+        self.launcher = launcher
         self.wrap = list(wrap or [])
         self.state_dir = Path(state_dir)
         self.args = ["--state-dir", str(self.state_dir), *args]
         self.log_path = self.state_dir / "daemon.log"
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | LaunchedProcess | None = None
         self.info: dict[str, Any] = {}
 
     @property
@@ -107,6 +114,9 @@ class DaemonProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        if self.launcher is not None:
+            self.proc = self.launcher.launch_cli(["daemon", *self.args], env, self.log_path)
+            return self
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*self.wrap, sys.executable, "-m", "echo2swarm.cli.main", "daemon", *self.args],

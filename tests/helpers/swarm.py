@@ -22,6 +22,7 @@ from echo2swarm.runtime.processes import (
     pid_alive,
     wait_until,
 )
+from echo2swarm.runtime.launcher import Launcher
 
 RECORD_TTL_S = LOCAL_RECORD_TTL_S
 
@@ -39,8 +40,9 @@ class BootstrapPool:
     test before, each of its own swarm name as `LocalSwarm.bootstrap` would start it, and starts the
     next; the one nobody took is ended by `close()`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, launcher: Launcher | None = None):
         self.root = root
+        self.launcher = launcher
         self.spare: tuple[DaemonProcess, str] | None = None
         self.started = 0
 
@@ -48,7 +50,7 @@ class BootstrapPool:
         self.started += 1
         swarm = f"b{os.getpid() % 10000}x{self.started}"
         d = DaemonProcess("bootstrap", [*loopback_args(swarm, "DEBUG"), "--role", "bootstrap", "--new-swarm"],
-                          self.root / swarm)
+                          self.root / swarm, launcher=self.launcher)
         return d.start(), swarm
 
     def take(self) -> tuple[DaemonProcess, str]:
@@ -79,6 +81,7 @@ class LocalSwarm:
         self.root = root
         self.swarm = swarm
         self.pool = pool
+        self.launcher = pool.launcher if pool is not None else None  # daemons are forked from it (runtime/launcher.py)
         self.daemons: list[DaemonProcess] = []
         self._children: set[int] = set()
         self.bootstrap_addr: str | None = None
@@ -93,7 +96,8 @@ class LocalSwarm:
     def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,
               env: dict[str, str] | None = None) -> DaemonProcess:
         extra = ["--initial-peers", self.bootstrap_addr] if join and self.bootstrap_addr else []
-        d = DaemonProcess(name, [*loopback_args(self.swarm, "DEBUG"), *extra, *args], state_dir or self.root / name, env=env)
+        d = DaemonProcess(name, [*loopback_args(self.swarm, "DEBUG"), *extra, *args], state_dir or self.root / name, env=env,
+                          launcher=self.launcher)
         self.daemons.append(d.start())
         return d
 

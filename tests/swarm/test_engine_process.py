@@ -21,6 +21,7 @@ def _stats(daemon: Any) -> dict[str, Any]:
     return http_json(daemon.info["chunk_url"] + "/v1/info")["stats"]
 
 
+@pytest.mark.spawn  # the engine as users' daemons start it: a child of the daemon, not of the suite's launcher
 def test_a_killed_engine_process_is_replaced_and_a_killed_daemon_leaves_none(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path,
 ) -> None:

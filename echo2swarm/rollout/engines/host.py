@@ -40,6 +40,8 @@ from typing import Any
 from echo2swarm.rollout.engines.base import Completion, SamplingParams
 from echo2swarm.rollout.engines.runner import Batch, EngineProcessError, VersionMismatch, rebuild
 from echo2swarm.runtime.devices import check_cpus, format_cores
+from echo2swarm.runtime.launcher import ENV as LAUNCHER_ENV
+from echo2swarm.runtime.launcher import LaunchedProcess, launch
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
@@ -50,7 +52,7 @@ __all__ = ["EngineProcessError", "ProcessEngine", "VersionMismatch"]
 class _Host:
     """One engine host process and the requests it has not answered yet (oldest first)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], conn: Connection, lifeline: int):
+    def __init__(self, proc: subprocess.Popen[bytes] | LaunchedProcess, conn: Connection, lifeline: int):
         self.proc, self.conn, self.lifeline = proc, conn, lifeline
         self.pending: deque[tuple[str, Future[Any], tuple[Any, ...]]] = deque()
         self.dead: str | None = None  # why it is unusable; set by the reader (EOF) or by close
@@ -212,10 +214,15 @@ class ProcessEngine:
                 "cpus": sorted(self.cpus) if self.cpus is not None else None, "log_level": self.log_level,
                 "pace": self.pace}
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "echo2swarm.rollout.engines.host_process", str(child.fileno()), str(life_read)],
-                pass_fds=(child.fileno(), life_read), stdin=subprocess.DEVNULL,
-            )
+            proc: subprocess.Popen[bytes] | LaunchedProcess
+            if os.environ.get(LAUNCHER_ENV):  # a local swarm's fork server (runtime/launcher.py)
+                proc = launch(os.environ[LAUNCHER_ENV], "engine-host", ["{fd2}", "{fd3}"], dict(os.environ),
+                              [1, 2, child.fileno(), life_read])
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "echo2swarm.rollout.engines.host_process", str(child.fileno()), str(life_read)],
+                    pass_fds=(child.fileno(), life_read), stdin=subprocess.DEVNULL,
+                )
         except BaseException:
             parent.close()
             os.close(life_write)
