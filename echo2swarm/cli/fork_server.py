@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -26,6 +27,28 @@ def reseed() -> None:
     itself in a forked child; numpy's global generator would make the same draws in every child."""
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def _run(request: dict[str, Any], argv: list[str]) -> int:
+    """What `python -m echo2swarm.cli.main ARGV` (cli), `python -m echo2swarm.rollout.engines.host_process
+    ARGV` (engine-host) or `python -m MODULE ARGV` (module) would run, in this process."""
+    if request["kind"] == "cli":
+        from echo2swarm.cli.main import cli
+
+        sys.argv = ["echo2swarm", *argv]
+        cli.main(args=argv, prog_name="echo2swarm", standalone_mode=True)
+        return 0
+    if request["kind"] == "engine-host":
+        from echo2swarm.rollout.engines import host_process
+
+        sys.argv = [host_process.__file__, *argv]
+        return host_process.main(argv)
+    for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:  # what a new interpreter's sys.path would hold
+            sys.path.insert(0, entry)
+    sys.argv = [request["module"], *argv]
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    return 0
 
 
 def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
@@ -51,20 +74,12 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
         os.environ.update(request["env"])
         reseed()
         argv = [arg.format(**{f"fd{i}": fd for i, fd in enumerate(fds)}) for arg in request["argv"]]
-        if request["kind"] == "cli":
-            from echo2swarm.cli.main import cli
-
-            sys.argv = ["echo2swarm", *argv]
-            try:
-                cli.main(args=argv, prog_name="echo2swarm", standalone_mode=True)
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        else:
-            from echo2swarm.rollout.engines import host_process
-
-            sys.argv = [host_process.__file__, *argv]
-            code = host_process.main(argv)
+        try:
+            code = _run(request, argv)
+        except SystemExit as e:  # as the interpreter ends on it: a message goes to stderr and means 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
         traceback.print_exc()
     finally:
@@ -105,8 +120,12 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         request = json.loads(body)
         if not (isinstance(request, dict) and request.get("kind") in KINDS and isinstance(request.get("argv"), list)
                 and all(isinstance(a, str) for a in request["argv"]) and isinstance(request.get("env"), dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items())
                 and isinstance(request.get("cwd"), str) and len(fds) >= 2):
             raise ValueError(f"a request is {{kind: one of {KINDS}, argv, env, cwd}} with at least two fds")
+        if request["kind"] == "module" and not (isinstance(request.get("module"), str)
+                                                 and all(part.isidentifier() for part in request["module"].split("."))):
+            raise ValueError("a module request names a module: dotted identifiers")
         return request, fds
     except BaseException:
         for fd in fds:

@@ -51,7 +51,7 @@ PRELOAD = (
     "echo2swarm.rollout.engines.host_process",
     "echo2swarm.rollout.engines.hf",
 )
-KINDS = ("cli", "engine-host")
+KINDS = ("cli", "engine-host", "module")
 MAX_REQUEST = 1 << 20
 MAX_FDS = 8
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 elsewhere
@@ -101,11 +101,13 @@ class LaunchedProcess:
 
 
 def launch(sock_path: str | Path, kind: str, argv: list[str], env: dict[str, str], fds: list[int],
-           cwd: Path | None = None) -> LaunchedProcess:
-    """Fork `kind` from the launcher at `sock_path`. `fds`: its stdout and stderr, then (engine host)
-    its connection and lifeline, which it receives as `argv`'s "{fd2}" and "{fd3}"."""
+           cwd: Path | None = None, module: str | None = None) -> LaunchedProcess:
+    """Fork `kind` from the launcher at `sock_path`: `echo2swarm ARGV` (cli), an engine host, or
+    `python -m MODULE ARGV` (module). `fds`: its stdout and stderr, then (engine host) its connection
+    and lifeline, which it receives as `argv`'s "{fd2}" and "{fd3}"."""
     sock_path = Path(sock_path)
-    request = json.dumps({"kind": kind, "argv": argv, "env": env, "cwd": str(cwd or Path.cwd())}).encode()
+    request = json.dumps({"kind": kind, "argv": argv, "env": env, "cwd": str(cwd or Path.cwd()),
+                          **({"module": module} if module else {})}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30.0)
         conn.connect(str(sock_path))
@@ -157,16 +159,16 @@ class Launcher:
                 raise RuntimeError(f"the launcher did not start (code {self.proc.poll()}): {line!r}")
             self._listening = True
 
-    def launch_cli(self, args: list[str], env: dict[str, str], log_path: Path) -> LaunchedProcess:
-        """`echo2swarm ARGS`, forked, its output appended to `log_path`; its engine hosts are forked here too."""
+    def launch_cli(self, args: list[str], env: dict[str, str], log_path: Path, module: str | None = None) -> LaunchedProcess:
+        """`echo2swarm ARGS` (or `python -m MODULE ARGS`), forked, its output appended to `log_path`;
+        the engine hosts it starts are forked here too."""
         self.ready()
         env = {**env, ENV: str(self.sock_path)}
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            launched = launch(self.sock_path, "cli", args, env, [log, log])
+            return launch(self.sock_path, "module" if module else "cli", args, env, [log, log], module=module)
         finally:
             os.close(log)
-        return launched
 
     def reaped_cpu_s(self) -> float:
         """CPU seconds of every process forked here that has exited: daemons (their own children

@@ -25,6 +25,7 @@ from helpers.attacker import ATTACKS
 from helpers.rogue import PACED
 from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
+from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]  # the first to ask for warm_model_dir builds it
@@ -46,25 +47,46 @@ class AttackSwarm:
         return http_json(self.info)["stats"].get("peers", {}).get("banned", {})
 
 
+class Attacker(DaemonProcess):
+    """A rollout daemon as LocalSwarm.rollout starts one, run by helpers.attacker in the same process:
+    forked from the suite's launcher as `python -m helpers.attacker ATTACK daemon ARGS` where the swarm
+    has one, else that command line spawned."""
+
+    def __init__(self, swarm: LocalSwarm, attack: str, trust: Path):
+        args = [*loopback_args(swarm.swarm, "DEBUG"), "--initial-peers", str(swarm.bootstrap_addr), "--role", "rollout",
+                "--price", "0.3", "--trust", str(trust)]
+        wrap = None if swarm.launcher else [sys.executable, "-m", "helpers.attacker", attack]
+        super().__init__(f"attacker-{attack}", args, swarm.root / f"attacker-{attack}", env=ATTACKER_ENV, wrap=wrap)
+        self.attack, self.fork_from = attack, swarm.launcher
+
+    def start(self) -> "Attacker":
+        if self.fork_from is None:
+            super().start()
+            return self
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "daemon.json").unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **ATTACKER_ENV}
+        self.proc = self.fork_from.launch_cli([self.attack, "daemon", *self.args], env, self.log_path,
+                                              module="helpers.attacker")
+        return self
+
+
 def start_attacker(swarm: LocalSwarm, attack: str, trust: Path) -> DaemonProcess:
-    """A rollout daemon as LocalSwarm.rollout starts one, run by helpers.attacker in the same process."""
-    args = [*loopback_args(swarm.swarm, "DEBUG"), "--initial-peers", swarm.bootstrap_addr, "--role", "rollout",
-            "--price", "0.3", "--trust", str(trust)]
-    daemon = DaemonProcess(f"attacker-{attack}", args, swarm.root / f"attacker-{attack}", env=ATTACKER_ENV,
-                           wrap=[sys.executable, "-m", "helpers.attacker", attack])
+    daemon = Attacker(swarm, attack, trust)
     swarm.daemons.append(daemon.start())
     return daemon
 
 
 @pytest.fixture(scope="module")
-def attack_swarm(warm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-                 request: pytest.FixtureRequest) -> Iterator[AttackSwarm]:
+def attack_swarm(warm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
+                 launcher: Launcher | None) -> Iterator[AttackSwarm]:
     from echo2swarm.wire.signing import PolicyKey
 
     root = tmp_path_factory.mktemp("sampling-attacks")
     key = root / "learner.key"
     PolicyKey.generate().save(key)
     swarm = LocalSwarm(root / "swarm", swarm="t" + str(abs(hash(request.node.nodeid)) % 10**8))
+    swarm.launcher = launcher
     try:
         # S = 1 as the demo: most groups arrive one version old, where a newcomer's are all re-derived.
         # Leases of 30 s, not the tests' 5 s: ten daemons share two cores, and an attacker whose leases
