@@ -29,6 +29,20 @@ def reseed() -> None:
         sys.modules["numpy"].random.seed()
 
 
+def _enter_netns(name: str) -> None:
+    """Join the network namespace `ip netns add NAME` made (setns(2): os.setns arrived in Python 3.12)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _run(request: dict[str, Any], argv: list[str]) -> int:
     """What `python -m echo2swarm.cli.main ARGV` (cli), `python -m echo2swarm.rollout.engines.host_process
     ARGV` (engine-host) or `python -m MODULE ARGV` (module) would run, in this process."""
@@ -56,6 +70,8 @@ def _child(request: dict[str, Any], fds: list[int], closing: list[int]) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         # The dispositions a new interpreter starts with: SIGPIPE ignored (a write to a closed socket
         # raises instead of killing), SIGINT raising KeyboardInterrupt, the rest the system's.
         for sig in (signal.SIGCHLD, signal.SIGTERM):
@@ -123,6 +139,9 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
                 and all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items())
                 and isinstance(request.get("cwd"), str) and len(fds) >= 2):
             raise ValueError(f"a request is {{kind: one of {KINDS}, argv, env, cwd}} with at least two fds")
+        netns = request.get("netns")
+        if netns is not None and not (isinstance(netns, str) and netns and "/" not in netns and netns not in (".", "..")):
+            raise ValueError("netns is the name of a network namespace under /var/run/netns")
         if request["kind"] == "module" and not (isinstance(request.get("module"), str)
                                                  and all(part.isidentifier() for part in request["module"].split("."))):
             raise ValueError("a module request names a module: dotted identifiers")

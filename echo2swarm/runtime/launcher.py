@@ -101,13 +101,14 @@ class LaunchedProcess:
 
 
 def launch(sock_path: str | Path, kind: str, argv: list[str], env: dict[str, str], fds: list[int],
-           cwd: Path | None = None, module: str | None = None) -> LaunchedProcess:
+           cwd: Path | None = None, module: str | None = None, netns: str | None = None) -> LaunchedProcess:
     """Fork `kind` from the launcher at `sock_path`: `echo2swarm ARGV` (cli), an engine host, or
     `python -m MODULE ARGV` (module). `fds`: its stdout and stderr, then (engine host) its connection
-    and lifeline, which it receives as `argv`'s "{fd2}" and "{fd3}"."""
+    and lifeline, which it receives as `argv`'s "{fd2}" and "{fd3}". `netns`: a network namespace
+    (`ip netns` name) the child enters first, as under `ip netns exec`."""
     sock_path = Path(sock_path)
     request = json.dumps({"kind": kind, "argv": argv, "env": env, "cwd": str(cwd or Path.cwd()),
-                          **({"module": module} if module else {})}).encode()
+                          **({"module": module} if module else {}), **({"netns": netns} if netns else {})}).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(30.0)
         conn.connect(str(sock_path))
@@ -159,14 +160,16 @@ class Launcher:
                 raise RuntimeError(f"the launcher did not start (code {self.proc.poll()}): {line!r}")
             self._listening = True
 
-    def launch_cli(self, args: list[str], env: dict[str, str], log_path: Path, module: str | None = None) -> LaunchedProcess:
-        """`echo2swarm ARGS` (or `python -m MODULE ARGS`), forked, its output appended to `log_path`;
-        the engine hosts it starts are forked here too."""
+    def launch_cli(self, args: list[str], env: dict[str, str], log_path: Path, module: str | None = None,
+                   netns: str | None = None) -> LaunchedProcess:
+        """`echo2swarm ARGS` (or `python -m MODULE ARGS`), forked, its output appended to `log_path`,
+        in network namespace `netns` if given; the engine hosts it starts are forked here too."""
         self.ready()
         env = {**env, ENV: str(self.sock_path)}
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
-            return launch(self.sock_path, "module" if module else "cli", args, env, [log, log], module=module)
+            return launch(self.sock_path, "module" if module else "cli", args, env, [log, log], module=module,
+                          netns=netns)
         finally:
             os.close(log)
 

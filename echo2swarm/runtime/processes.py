@@ -89,14 +89,17 @@ class DaemonProcess:
     """
 
     def __init__(self, name: str, args: list[str], state_dir: Path, env: dict[str, str] | None = None,
-                 wrap: list[str] | None = None, launcher: Launcher | None = None):
-        """`wrap`: a prefix that execs the command elsewhere (`ip netns exec NS`), so the pid stays the daemon's.
-        `launcher`: fork the daemon from this fork server (runtime/launcher.py) instead of starting a
-        new interpreter; not with `wrap`."""
+                 wrap: list[str] | None = None, launcher: Launcher | None = None, netns: str | None = None):
+        """`wrap`: a prefix that execs the command elsewhere, so the pid stays the daemon's. `launcher`:
+        fork the daemon from this fork server (runtime/launcher.py) instead of starting a new
+        interpreter; not with `wrap`. `netns`: run it in this network namespace (`ip netns exec NS`)."""
         if wrap and launcher is not None:
             raise ValueError("a wrapped daemon cannot be forked from a launcher")
+        if netns and launcher is None:
+            wrap = ["ip", "netns", "exec", netns, *(wrap or [])]
         self.name = name
         self.launcher = launcher
+        self.netns = netns
         self.wrap = list(wrap or [])
         self.state_dir = Path(state_dir)
         self.args = ["--state-dir", str(self.state_dir), *args]
@@ -115,7 +118,7 @@ class DaemonProcess:
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
         if self.launcher is not None:
-            self.proc = self.launcher.launch_cli(["daemon", *self.args], env, self.log_path)
+            self.proc = self.launcher.launch_cli(["daemon", *self.args], env, self.log_path, netns=self.netns)
             return self
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

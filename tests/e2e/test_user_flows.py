@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_STEPS = 200
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_learns(tmp_path: Path, warm_model_dir: Path):
     """The CI variant of `make demo`: fewer steps, and the reward must visibly rise. It starts from the
@@ -52,6 +53,7 @@ def test_demo_learns(tmp_path: Path, warm_model_dir: Path):
 
 # The script warms the tiny model up first: under a minute on 2 idle cores, 10 min measured on 2
 # cores shared with a load of 7; the rest of the test takes about a minute.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path):
     # The model and key do not exist yet: the script creates both.

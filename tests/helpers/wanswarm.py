@@ -1,4 +1,5 @@
-"""Real daemons inside the WAN lab: each started through the CLI in its host's network namespace.
+"""Real daemons inside the WAN lab: each started through the CLI in its host's network namespace (forked
+from the suite's launcher into it, or under `ip netns exec`).
 
     with WanLab() as lab:
         swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import DaemonProcess
 from tests.helpers.wanlab import Host, WanLab
 
@@ -32,15 +34,17 @@ def lab_args(swarm: str, log_level: str = "DEBUG") -> list[str]:
 
 
 class WanSwarm:
-    def __init__(self, lab: WanLab, root: Path, swarm: str):
-        self.lab, self.root, self.swarm = lab, root, swarm
+    def __init__(self, lab: WanLab, root: Path, swarm: str, launcher: Launcher | None = None):
+        """`launcher`: fork the daemons from it, each into its host's namespace (else `ip netns exec`)."""
+        self.lab, self.root, self.swarm, self.launcher = lab, root, swarm, launcher
         self.daemons: list[DaemonProcess] = []
         self.hosts: dict[str, Host] = {}
         self.initial_peers: list[str] = []
 
     def start(self, host: Host, name: str, *args: str, join: bool = True) -> DaemonProcess:
         extra = ["--initial-peers", ",".join(self.initial_peers)] if join and self.initial_peers else []
-        d = DaemonProcess(name, [*lab_args(self.swarm), *extra, *args], self.root / name, wrap=host.wrap)
+        d = DaemonProcess(name, [*lab_args(self.swarm), *extra, *args], self.root / name, launcher=self.launcher,
+                          netns=host.netns)
         self.daemons.append(d.start())
         self.hosts[name] = host
         return d

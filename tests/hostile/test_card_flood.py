@@ -165,6 +165,7 @@ class _Asker:
         self._thread.join(30)
 
 
+@pytest.mark.slow
 def test_a_flood_of_fresh_signed_cards_hides_no_delivering_peer(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

@@ -93,6 +93,7 @@ async def _rogue(bootstrap: str, swarm: str, learner_id: str, rollout_id: str, s
     return outcome
 
 
+@pytest.mark.slow
 def test_forged_cards_are_refused_and_a_flood_of_signed_cards_stays_bounded(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

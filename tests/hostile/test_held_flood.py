@@ -213,6 +213,7 @@ def _window(metrics: Path, seconds: float, look: Callable[[], None]) -> float:
     return (_steps(metrics) - first) / (now - started)
 
 
+@pytest.mark.slow
 def test_held_requests_from_many_addresses_leave_the_working_peers_their_reserve(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

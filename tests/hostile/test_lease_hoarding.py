@@ -19,6 +19,7 @@ from echo2swarm.wire.work import Lease
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
+@pytest.mark.slow
 def test_a_lease_hoarder_gets_its_probation_share_and_is_banned_after_lapses(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

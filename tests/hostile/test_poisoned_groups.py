@@ -41,6 +41,7 @@ async def _attack(rogue: RogueWorker, craft) -> tuple[Lease, int]:
     return lease, result.accepted
 
 
+@pytest.mark.slow
 def test_absurd_and_fabricated_logprobs_are_refused_and_their_senders_banned(
     local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

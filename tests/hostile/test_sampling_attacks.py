@@ -104,6 +104,7 @@ def attack_swarm(warm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
         swarm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_an_attacker_is_refused_and_banned(attack_swarm: AttackSwarm, attack: str) -> None:
     peer = attack_swarm.attackers[attack].info["peer_id"]

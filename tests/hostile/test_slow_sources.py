@@ -183,6 +183,7 @@ class LagSampler:
         return max(lags, default=0), [s for s in self.samples if s[1] - s[2] == max(lags, default=0)][:5]
 
 
+@pytest.mark.slow
 def test_fresh_slow_identities_one_after_another_cost_duplicates_not_stalls(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

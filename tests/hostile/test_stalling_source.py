@@ -186,6 +186,7 @@ def _installed_after(peer: Any, version: int, count: int) -> list[int]:
     return wait_until(installed, 120, interval=0.3, what=f"{count} versions above v{version} at {peer.name}")
 
 
+@pytest.mark.slow
 def test_a_dripping_and_a_lying_source_are_banned_and_later_versions_do_not_wait_for_them(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

@@ -23,6 +23,7 @@ def _capacity(learner) -> dict:
     return http_json(learner.info["chunk_url"] + "/v1/info")["stats"]["capacity"]
 
 
+@pytest.mark.slow
 def test_standby_peer_replaces_a_killed_active_peer_within_one_replan_period(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

@@ -39,6 +39,7 @@ def _delta_learner_toml(path: Path, model: Path, key: Path) -> Path:
                         publish={"dtype": "bfloat16", "keyframe_every": 5, "chunk_size": "64KiB", "hold_ulps": 0.75})
 
 
+@pytest.mark.slow
 def test_followers_that_skip_restart_or_join_late_rebuild_the_learners_exact_weights(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

@@ -58,6 +58,7 @@ def _metrics(state_dir: Path) -> Path:
     return state_dir / "run" / "metrics.jsonl"
 
 
+@pytest.mark.slow
 def test_rollout_peers_train_a_two_rank_learner(local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path,
                                                 tmp_path: Path) -> None:
     # As tests/swarm/test_training.py's resume test trains a single-process learner: 60 steps of 16 x 8.
@@ -114,6 +115,7 @@ def _stops_whole(learner: ShardedLearner, tree: set[int], victim: int) -> None:
     wait_until(lambda: not any(pid_alive(p) for p in tree), 60, what="every rank and its children to exit")
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_learner_which_resumes_with_one_and_two_ranks(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ) -> None:

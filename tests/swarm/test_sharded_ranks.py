@@ -69,6 +69,7 @@ def _max_diff(a: Path, b: Path) -> float:
     return max(float((first[k] - second[k]).abs().max()) for k in first)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sharded_checkpoints_resume_with_another_world_size(tiny_model_dir: Path, tmp_path: Path) -> None:
     """3 steps at W=2, checkpoint (DCP, sharded), 2 more at W=1; and 3 at W=1, checkpoint, 2 more at

@@ -18,6 +18,7 @@ def _metrics(learner) -> Path:
     return learner.state_dir / "run" / "metrics.jsonl"
 
 
+@pytest.mark.slow
 def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ):
@@ -80,6 +81,7 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     assert rogue_stats["accepted"] == 0 and rogue_stats["steps_done"] == 0
 
 
+@pytest.mark.slow
 def test_killed_learner_resumes_from_checkpoint_and_peers_reattach(
     local_swarm: LocalSwarm, warm_model_dir: Path, policy_key: Path, tmp_path: Path
 ):

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from echo2swarm.runtime.launcher import Launcher
 from tests.helpers.wanlab import WanLab
 from tests.helpers.wanswarm import WanSwarm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_doctor_says_behind_nat_and_that_nothing_needs_doing(lab: WanLab, tmp_path: Path) -> None:
-    swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
+def test_doctor_says_behind_nat_and_that_nothing_needs_doing(lab: WanLab, launcher: Launcher | None, tmp_path: Path) -> None:
+    swarm = WanSwarm(lab, tmp_path / "swarm", "wan", launcher)
     try:
         swarm.bootstrap(lab.public_host("boot"))
         home, = lab.home("a")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import wait_until
 from echo2swarm.wire.signing import PolicyKey
 from tests.helpers.wanlab import WanLab
@@ -32,9 +33,10 @@ def _model(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cards_carry_the_uplink_each_peer_sustained(lab: WanLab, tmp_path: Path, policy_key: Path) -> None:
-    swarm = WanSwarm(lab, tmp_path / "swarm", "up")
+def test_cards_carry_the_uplink_each_peer_sustained(lab: WanLab, launcher: Launcher | None, tmp_path: Path, policy_key: Path) -> None:
+    swarm = WanSwarm(lab, tmp_path / "swarm", "up", launcher)
     try:
         swarm.bootstrap(lab.public_host("boot"))
         trust = PolicyKey.load(policy_key).public.text

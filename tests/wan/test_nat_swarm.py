@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import wait_until
 from echo2swarm.wire.signing import PolicyKey
 from helpers.swarm import learner_toml, read_metrics
@@ -34,11 +35,12 @@ def _learner_toml(path: Path, model: Path, key: Path) -> Path:
                         sections={"leases": {"timeout_s": LEASE_TIMEOUT_S}, "activation": {"enabled": False}})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_peers_behind_two_nats_serve_each_other_through_a_relay(
-    lab: WanLab, tmp_path: Path, tiny_model_dir: Path, policy_key: Path
+    lab: WanLab, launcher: Launcher | None, tmp_path: Path, tiny_model_dir: Path, policy_key: Path
 ) -> None:
-    swarm = WanSwarm(lab, tmp_path / "swarm", "wan")
+    swarm = WanSwarm(lab, tmp_path / "swarm", "wan", launcher)
     try:
         swarm.bootstrap(lab.public_host("boot", up_mbit=100, down_mbit=100))
         for extra in ("boot2", "boot3"):  # 4 public peers with the relay, before any home joins

@@ -104,6 +104,10 @@ def test_garbage_requests_are_refused_and_the_server_goes_on(launcher: Launcher,
         assert "error" in reply and "pid" not in reply
     with pytest.raises(RuntimeError, match="could not start"):
         launch(launcher.sock_path, "shell", ["-c", "true"], {}, [1, 2])  # only echo2swarm's own entry points
+    with pytest.raises(RuntimeError, match="netns"):
+        launch(launcher.sock_path, "cli", ["--help"], {}, [1, 2], netns="../../proc/1/ns/net")
+    with pytest.raises(RuntimeError, match="module"):
+        launch(launcher.sock_path, "module", ["x"], {}, [1, 2], module="os; import sys")
     proc = launcher.launch_cli(["--help"], {"PATH": "/usr/bin:/bin"}, tmp_path / "help.log")
     assert proc.wait(60) == 0
     wait_until(lambda: "daemon" in (tmp_path / "help.log").read_text(), 10, what="the help text")
