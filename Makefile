@@ -37,11 +37,11 @@ system-deps:
 
 # --durations=25 and --cpu-report=25: CI prints the 25 slowest tests and the 25 that used the most CPU
 # (their daemons included; tests/conftest.py), so a test that grows slow or hungry shows up in the next run.
-# Two workers (pytest-xdist), a module at a time each (module-scoped swarms start once), slow modules
-# first: the suite's daemons fork from a launcher (runtime/launcher.py), which left it waiting more than
-# computing in one process (docs/benchmarks.md, "Test suite duration").
+# The suite's daemons fork from a launcher (runtime/launcher.py) and it runs in one process: on two
+# xdist workers it took a third less time but starved the sampling attackers' swarm of CPU in one run
+# of three (docs/benchmarks.md, "Test suite duration").
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest tests -q -m "not vllm" -n 2 --dist loadscope --no-loadscope-reorder --durations=25 --cpu-report=25
+	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25 --cpu-report=25
 
 install-vllm: $(VLLM_STAMP)
 

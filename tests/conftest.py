@@ -194,23 +194,6 @@ def _swarms(value: Any) -> list[LocalSwarm]:
     return [m for m in members if isinstance(m, LocalSwarm)]
 
 
-# -- Order: `make test` runs on two pytest-xdist workers, each taking a whole module as it frees up, in
-# collection order (`--dist loadscope --no-loadscope-reorder`). Modules with a slow test (`pytest.mark.slow`,
-# > ~20 s) go first, the many short unit modules last, so that the two workers run out of work together
-# instead of one finishing a long module alone.
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    slow_modules = {item.module.__name__ for item in items
-                    if item.get_closest_marker("slow") is not None and getattr(item, "module", None) is not None}
-
-    def rank(item: pytest.Item) -> int:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__ in slow_modules:
-            return 0
-        return 2 if "/unit/" in str(item.path) else 1
-
-    items.sort(key=rank)  # stable: a module's tests keep their order, and stay together
-
-
 # -- CPU report: `--cpu-report=N` prints the N tests that used the most CPU, their daemons included ----
 # The suite is CPU-bound on 2 cores (pytest-xdist -n 2 keeps them ~90 % busy and saves a sixth of the
 # wall time): what makes it long is CPU seconds, which --durations does not show. A test's CPU is its
