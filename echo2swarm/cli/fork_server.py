@@ -13,6 +13,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -123,15 +124,21 @@ def _reap(root: Path, serials: dict[int, int]) -> None:
         tmp.rename(root / name)
 
 
-def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    conn.settimeout(10.0)
+def _receive(conn: socket.socket, within_s: float = 10.0) -> tuple[dict[str, Any], list[int]]:
+    """One request and its fds, read within `within_s` in all: a caller that stalls holds the
+    (single-threaded) server no longer than that."""
+    deadline = time.monotonic() + within_s
+    conn.settimeout(within_s)
     head, fds, _, _ = socket.recv_fds(conn, 4, MAX_FDS)
     try:
         size = int.from_bytes(head, "big")
         if len(head) != 4 or size > MAX_REQUEST:
             raise ValueError("a request is a 4-byte length and at most 1 MiB of JSON")
-        body = b""
-        while len(body) < size and (part := conn.recv(size - len(body))):
+        body = bytearray()
+        while len(body) < size:
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            if not (part := conn.recv(size - len(body))):
+                break
             body += part
         request = json.loads(body)
         if not (isinstance(request, dict) and request.get("kind") in KINDS and isinstance(request.get("argv"), list)
@@ -200,7 +207,7 @@ def serve(root: Path, preload: list[str]) -> int:
                 with conn:
                     try:
                         request, fds = _receive(conn)
-                    except (OSError, ValueError) as e:
+                    except Exception as e:  # noqa: BLE001 - garbage, nested too deep, too slow: refused, serving on
                         with contextlib.suppress(OSError):
                             conn.sendall(json.dumps({"error": str(e)}).encode())
                         continue

@@ -143,6 +143,7 @@ class Launcher:
         self.preload = preload
         self.proc: subprocess.Popen[bytes] | None = None
         self._listening = False
+        self._reaped: dict[str, float] = {}  # exit file -> its CPU seconds (written once, read once)
 
     def start(self) -> "Launcher":
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -176,11 +177,11 @@ class Launcher:
     def reaped_cpu_s(self) -> float:
         """CPU seconds of every process forked here that has exited: daemons (their own children
         included) and the engine hosts their daemons forked here."""
-        total = 0.0
         for path in self.root.glob("*.exit"):
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                total += float(json.loads(path.read_text())["cpu_s"])
-        return total
+            if path.name not in self._reaped:
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    self._reaped[path.name] = float(json.loads(path.read_text())["cpu_s"])
+        return sum(self._reaped.values())
 
     def close(self, timeout: float = 10.0) -> None:
         """End the server (its daemons are the caller's to end, by pid, before)."""

@@ -113,10 +113,14 @@ class DaemonProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self) -> "DaemonProcess":
+    def prepare(self) -> dict[str, str]:
+        """Its state dir made and last run's daemon.json gone; the environment it starts with."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+
+    def start(self) -> "DaemonProcess":
+        env = self.prepare()
         if self.launcher is not None:
             self.proc = self.launcher.launch_cli(["daemon", *self.args], env, self.log_path, netns=self.netns)
             return self

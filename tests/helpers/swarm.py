@@ -90,7 +90,7 @@ class LocalSwarm:
     def joined(self, root: Path) -> "LocalSwarm":
         """A view on this swarm for one test: same name and bootstrap, its own daemons under `root`."""
         view = LocalSwarm(root, self.swarm, self.pool)
-        view.bootstrap_addr, view.shared = self.bootstrap_addr, self
+        view.bootstrap_addr, view.shared, view.launcher = self.bootstrap_addr, self, self.launcher
         return view
 
     def start(self, name: str, *args: str, state_dir: Path | None = None, join: bool = True,

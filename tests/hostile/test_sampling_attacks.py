@@ -63,10 +63,7 @@ class Attacker(DaemonProcess):
         if self.fork_from is None:
             super().start()
             return self
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        (self.state_dir / "daemon.json").unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **ATTACKER_ENV}
-        self.proc = self.fork_from.launch_cli([self.attack, "daemon", *self.args], env, self.log_path,
+        self.proc = self.fork_from.launch_cli([self.attack, "daemon", *self.args], self.prepare(), self.log_path,
                                               module="helpers.attacker")
         return self
 

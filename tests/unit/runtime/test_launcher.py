@@ -94,7 +94,9 @@ def test_each_forked_child_draws_its_own_random_numbers() -> None:
 
 
 def test_garbage_requests_are_refused_and_the_server_goes_on(launcher: Launcher, tmp_path: Path) -> None:
-    for garbage in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xff", b"\x00\x00\x00\x02{}"):
+    nested = b"[" * 100_000  # deeper than the parser's recursion limit
+    for garbage in (b"\x00\x00\x00\x05hello", b"\xff\xff\xff\xff", b"\x00\x00\x00\x02{}",
+                    len(nested).to_bytes(4, "big") + nested):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(10)
             conn.connect(str(launcher.sock_path))
