@@ -18,9 +18,6 @@ _TEXTS = {
     "streams": ("busy: too many requests", "too many requests from this peer"),
     "control": ("busy: too many requests", "too many requests from this client"),
     "waiting": ("busy: too many held requests", "too many held requests from this client"),
-    "waiting_reserve": ("busy: too many held requests", "too many held requests from this client"),
-    "connections_reserve": ("busy: too many connections", "too many connections from this client"),
-    "streams_reserve": ("busy: too many requests", "too many requests from this peer"),
     "uploads": ("upload slots full", "too many chunk transfers to this client"),
 }
 
@@ -34,7 +31,7 @@ class Refused(Exception):
         self.budget = budget
         per_client = self.status == 429
         self.reason = f"{budget}_per_client" if per_client else budget  # the stats key is refused_<reason>
-        self.text = _TEXTS[budget][per_client]
+        self.text = _TEXTS[budget.removesuffix("_reserve")][per_client]  # `<name>_reserve` reads as `<name>`
         super().__init__(self.text)
 
 
@@ -59,7 +56,8 @@ class Budget:
     >>> waiting.release("peer:12D3...", working=True)
 
     `stats` gets the gauges `open_<name>` (all units) and `working_open_<name>` (units of working peers).
-    A working peer refused because even the reserve is full is refused as `<name>_reserve`.
+    A working peer refused because even the reserve is full is refused as `<name>_reserve` (as `<name>`
+    where the budget keeps no reserve).
     `ChunkService.hold` takes a unit for a block and raises the refusal, counted by `ChunkService.count`.
     """
 
@@ -80,7 +78,9 @@ class Budget:
         if client is not None and self.by_client[client] >= self.per_client:
             return TooMany(self.name)
         if working:
-            return Busy(f"{self.name}_reserve") if self.used >= self.total else None
+            if self.used < self.total:
+                return None
+            return Busy(f"{self.name}_reserve" if self.reserve else self.name)
         if self.used - self.working >= self.total - self.reserve or self.used >= self.total:
             return Busy(self.name)
         return None

@@ -58,6 +58,19 @@ def test_a_client_past_its_share_gets_429_before_the_server_is_full_and_others_s
     assert budget.used == 0 and not budget.by_client and stats["open_waiting"] == 0
 
 
+@pytest.mark.parametrize("name", ["connections", "streams", "control", "waiting", "uploads"])
+@pytest.mark.parametrize("reserve", [0, 1])
+def test_a_working_peer_at_a_full_budget_is_refused_with_its_text(name: str, reserve: int):
+    """Every budget the chunk service keeps, with and without a reserve: a working peer that finds it
+    full gets a 503 that reads as that budget (it raised KeyError, an HTTP 500, for `uploads`)."""
+    budget = Budget(name, 2, 2, Counter(), reserve=reserve)
+    assert budget.acquire("ip:1") is None and budget.acquire("peer:w", working=True) is None
+    refusal = budget.acquire("peer:w2", working=True)
+    assert isinstance(refusal, Busy) and refusal.status == 503 and refusal.text == Busy(name).text
+    assert refusal.reason == (f"{name}_reserve" if reserve else name)
+    assert isinstance(budget.acquire("ip:1"), (Busy, TooMany))
+
+
 def test_hold_counts_refusals_by_reason_and_status_and_releases_on_errors(tmp_path: Path):
     service, _, _ = _service(tmp_path, upload_slots=2)
     assert service.uploads.per_client == 1  # a per-client cap left unset follows its global cap down
