@@ -51,6 +51,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_once(tmp_path_factory, "model-tiny", build)[0]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The run's own cache of warmed-up models (models/warm_cache.py), shared by the xdist workers and
+    the daemons and scripts the tests start: no test reads or fills the machine's ~/.cache, and the
+    warm-up `warm_model` runs is the one scripts/launch_learner.sh finds there."""
+    from echo2swarm.models.warm_cache import ENV
+
+    path = _shared_dir(tmp_path_factory, "cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV, str(path))
+        yield path
+
+
 @dataclass(frozen=True)
 class WarmModel:
     path: Path

@@ -20,9 +20,10 @@ from echo2swarm.config.flags import FLAG_FOR_FIELD, ROLES
 from echo2swarm.config.models import BootstrapConfig, DaemonConfig, LearnerConfig, RelayConfig, RolloutConfig
 
 ENV_PREFIX = "ECHO2SWARM_"
-# Variables with that prefix that are not config fields: --config's variable, and the echo2swarm
-# executable scripts/launch_learner.sh runs. Any other ECHO2SWARM_* must name a field (typos fail).
-_ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG", "ECHO2SWARM_BIN"}
+# Variables with that prefix that are not config fields: --config's variable, the echo2swarm
+# executable scripts/launch_learner.sh runs, and the warm model cache (models/warm_cache.py). Any other
+# ECHO2SWARM_* must name a field (typos fail).
+_ENV_NOT_FIELDS = {"ECHO2SWARM_CONFIG", "ECHO2SWARM_BIN", "ECHO2SWARM_CACHE_DIR"}
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(DaemonConfig)
 

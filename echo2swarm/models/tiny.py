@@ -18,6 +18,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from echo2swarm.models import warm_cache
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -148,6 +150,8 @@ def write_tiny_model(
     it (how many steps that takes varies with the CPU: see models/warmup.py); ``task_options`` are the
     task's own (as in ``[train] task_options``). ``config_overrides`` go to
     `tiny_config` (``hidden_size``, ``num_layers``, ``num_heads``): a larger model of the same family.
+    A warmed-up model is kept in the machine's cache (models/warm_cache.py) and copied from there the
+    next time the same recipe is asked for.
     """
     path = pathlib.Path(out_dir)
     if path.exists():
@@ -156,19 +160,28 @@ def write_tiny_model(
         if any(path.iterdir()):
             raise FileExistsError(f"refusing to write tiny model into non-empty directory {path}")
     path.mkdir(parents=True, exist_ok=True)
+    warm = task is not None and warmup_steps > 0
+    recipe = {"seed": seed, "task": task, "task_options": dict(task_options or {}), "warmup_steps": warmup_steps,
+              "warmup_accuracy": warmup_accuracy, "config": config_overrides}
+    if warm and warm_cache.lookup(recipe, path) is not None:
+        logger.info("wrote tiny model (seed=%d, warmed up on %s, from the cache) to %s", seed, task, path)
+        return path
 
     model, tokenizer = build_tiny_model(seed=seed, **config_overrides)
-    if task is not None and warmup_steps > 0:
+    result = None
+    if warm:
         from echo2swarm.models.warmup import supervised_warmup
         from echo2swarm.tasks.registry import get_task
 
         warmup_task = get_task(task, seed=seed, **(task_options or {}))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            supervised_warmup(model, tokenizer, warmup_task, steps=warmup_steps, seed=seed,
-                              until_accuracy=warmup_accuracy)
+            result = supervised_warmup(model, tokenizer, warmup_task, steps=warmup_steps, seed=seed,
+                                       until_accuracy=warmup_accuracy)
         model.eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    if result is not None:
+        warm_cache.store(recipe, path, result)
     logger.info("wrote tiny model (seed=%d, %d params) to %s", seed, model.num_parameters(), path)
     return path

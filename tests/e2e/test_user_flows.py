@@ -51,11 +51,11 @@ def test_demo_learns(tmp_path: Path, warm_model_dir: Path):
     assert not any(r.get("skipped_nonfinite") for r in records)
 
 
-# The script warms the tiny model up first: under a minute on 2 idle cores, 10 min measured on 2
-# cores shared with a load of 7; the rest of the test takes about a minute.
+# The script writes the demo's warm model: here it finds the session's (`warm_model`) in the run's
+# warm model cache (models/warm_cache.py) instead of warming up again; the rest takes about a minute.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path):
+def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path, warm_model_dir: Path):
     # The model and key do not exist yet: the script creates both.
     config = learner_toml(tmp_path / "learner.toml", tmp_path / "model", tmp_path / "learner.key", steps=30,
                           prompts_per_step=4, top={"state_dir": f"{tmp_path}/learner"},
@@ -80,6 +80,8 @@ def test_launch_learner_script_and_a_rollout_peer_joining_it(tmp_path: Path):
         address = re.findall(r"^\s+(/ip4/\S+/p2p/\S+)$", output, re.M)[0]
         # The missing model became the demo's warmed-up tiny model, and the script said so.
         assert "warm-up on arith" in output and f"wrote tiny model to {tmp_path}/model" in output
+        # ... the same recipe as the demo's, so the cache gave it the session's warm model
+        assert (tmp_path / "model" / "model.safetensors").read_bytes() == (warm_model_dir / "model.safetensors").read_bytes()
         # What it trains, how a rollout peer joins, where its pages are: printed by the learner once up.
         assert f"Training {tmp_path}/model on task 'arith' for 30 steps: staleness S=" in output
         assert re.search(rf"^  echo2swarm daemon --role rollout .*--swarm readme .*--trust {tmp_path}/learner.key.pub$",

@@ -58,7 +58,8 @@ def test_unknown_environment_variable_is_refused() -> None:
 
 
 def test_environment_variables_outside_the_prefix_are_ignored() -> None:
-    config = load_config("rollout", None, environ={"HOME": "/x", "ECHO2SWARM_CONFIG": "a.toml", "PRICE": "-1"})
+    config = load_config("rollout", None, environ={"HOME": "/x", "ECHO2SWARM_CONFIG": "a.toml", "PRICE": "-1",
+                                                   "ECHO2SWARM_BIN": "/x/echo2swarm", "ECHO2SWARM_CACHE_DIR": "off"})
     assert config.price == 0.0
 
 
