@@ -31,7 +31,9 @@ from echo2swarm.runtime.processes import DaemonProcess, loopback_args
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]  # the first to ask for warm_model_dir builds it
 
 TESTS = Path(__file__).resolve().parents[1]
-BAN_TIMEOUT_S = 150.0
+# A deadline, not a measurement: the bans come within 50 groups (scripts/bench_verify.py); with the
+# suite's other tests on the same two cores the slowest attacker can take minutes to deliver them.
+BAN_TIMEOUT_S = 300.0
 # In-process engines (the patch lives in the daemon's process), paced like the honest peer.
 ATTACKER_ENV = {**PACED, "ECHO2SWARM_ENGINE__ISOLATE": "false", "ECHO2SWARM_ENGINE__TYPE": "transformers",
                 "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
