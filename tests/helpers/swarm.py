@@ -230,6 +230,19 @@ def daemon_state(daemon: DaemonProcess, timeout: float = 10.0) -> str:
     return text[text.rindex(marker):]
 
 
+def stalled_report(info_url: str, learner: DaemonProcess, peers: list[DaemonProcess]) -> str:
+    """What a failure report needs when a swarm stopped stepping: the learner's intake and plan, the
+    rollout peers' worker counters, and where every task of them all waits (runtime/dump.py)."""
+    stats = http_json(info_url)["stats"]
+    parts = [f"learner: steps {stats['steps_done']}, capacity {stats['capacity']}, peers {stats['peers']}, "
+             f"leases {stats.get('leases')}"]
+    for peer in peers:
+        worker = http_json(peer.info["chunk_url"] + "/v1/info").get("stats", {}).get("worker")
+        parts.append(f"{peer.name}: worker {worker}")
+    parts += [daemon_state(d) for d in (learner, *peers)]
+    return "\n".join(parts)
+
+
 def _retry_after(error: Any) -> float | None:
     """Seconds a busy answer (429, 503) asks to wait before asking again; None for any other error."""
     if error.code not in (429, 503):

@@ -23,7 +23,7 @@ import pytest
 
 from helpers.attacker import ATTACKS
 from helpers.rogue import PACED
-from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
+from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, stalled_report, wait_until
 
 from echo2swarm.runtime.launcher import Launcher
 from echo2swarm.runtime.processes import DaemonProcess, loopback_args
@@ -107,8 +107,12 @@ def attack_swarm(warm_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 @pytest.mark.parametrize("attack", ATTACKS)
 def test_an_attacker_is_refused_and_banned(attack_swarm: AttackSwarm, attack: str) -> None:
     peer = attack_swarm.attackers[attack].info["peer_id"]
-    reason = wait_until(lambda: attack_swarm.banned().get(peer), BAN_TIMEOUT_S, interval=1.0,
-                        what=f"the {attack} attacker to be banned")
+    try:
+        reason = wait_until(lambda: attack_swarm.banned().get(peer), BAN_TIMEOUT_S, interval=1.0,
+                            what=f"the {attack} attacker to be banned")
+    except TimeoutError as e:  # starved, or the swarm stopped stepping: say where they wait
+        peers = [attack_swarm.honest, attack_swarm.attackers[attack]]
+        raise AssertionError(f"{e}\n{stalled_report(attack_swarm.info, attack_swarm.learner, peers)}") from e
     # Banned by verification: two groups refused as proof (sample_mismatch, or exact_mismatch when its
     # claimed version is not what it sampled with), or its sequential test crossed.
     assert reason.startswith("verify_"), reason
@@ -131,4 +135,7 @@ def test_the_honest_peer_beside_them_is_never_refused(attack_swarm: AttackSwarm)
     # It kept delivering groups that trained after the attackers were banned.
     metrics = attack_swarm.learner.state_dir / "run" / "metrics.jsonl"
     steps = len(read_metrics(metrics))
-    wait_until(lambda: len(read_metrics(metrics)) >= steps + 3, 120, what="training to go on with the honest peer")
+    try:
+        wait_until(lambda: len(read_metrics(metrics)) >= steps + 3, 120, what="training to go on with the honest peer")
+    except TimeoutError as e:  # the swarm stopped stepping: say where the learner and the honest peer wait
+        raise AssertionError(f"{e}\n{stalled_report(attack_swarm.info, attack_swarm.learner, [attack_swarm.honest])}") from e

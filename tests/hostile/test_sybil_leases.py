@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from helpers.rogue import PACED, right_answer_ids
-from helpers.swarm import LocalSwarm, daemon_state, http_json, learner_toml, wait_until
+from helpers.swarm import LocalSwarm, http_json, learner_toml, stalled_report, wait_until
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -227,19 +227,6 @@ class Crowd:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _wedged(info_url: str, learner: Any, honest: list[Any]) -> str:
-    """What a failure report needs when the swarm stopped stepping: the learner's intake and plan, the
-    honest peers' worker counters, and where every task of the three waits (runtime/dump.py)."""
-    stats = http_json(info_url)["stats"]
-    parts = [f"learner: steps {stats['steps_done']}, capacity {stats['capacity']}, peers {stats['peers']}, "
-             f"leases {stats.get('leases')}"]
-    for peer in honest:
-        worker = http_json(peer.info["chunk_url"] + "/v1/info").get("stats", {}).get("worker")
-        parts.append(f"{peer.name}: worker {worker}")
-    parts += [daemon_state(d) for d in (learner, *honest)]
-    return "\n".join(parts)
-
-
 def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path, tmp_path: Path
 ) -> None:
@@ -274,7 +261,7 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
         try:
             wait_until(recovered, 180, interval=0.5, what="the learner to step under a plan again after the hosts started")
         except TimeoutError as e:
-            raise AssertionError(f"{e}\n{_wedged(info_url, learner, honest)}") from e
+            raise AssertionError(f"{e}\n{stalled_report(info_url, learner, honest)}") from e
         before = rate.measure(WINDOW_S)
         assert before > 0.3, before
         crowd.burst(BURST, right_answer_ids(tiny_model_dir))
@@ -284,7 +271,7 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
             wait_until(lambda: crowd.stats["leases"] + crowd.stats["waits"] >= CROWD, 180, interval=0.5,
                        what="every sybil to have asked for work")
         except TimeoutError as e:
-            raise AssertionError(f"{e}: crowd {crowd.stats}\n{_wedged(info_url, learner, honest)}") from e
+            raise AssertionError(f"{e}: crowd {crowd.stats}\n{stalled_report(info_url, learner, honest)}") from e
         during_crowd = rate.measure(WINDOW_S, {k.peer_id for k in crowd.keys})
     finally:
         crowd.close()
