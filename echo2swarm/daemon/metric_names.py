@@ -300,7 +300,11 @@ FOLLOWER = Section(
 STATS = Section(
     keys={**LEARNER.keys, **FOLLOWER.keys,
           "dht_refused": _one(counter("dht_records_refused_total", "DHT records this node refused to store or use."))},
-    dicts={**LEARNER.dicts, **FOLLOWER.dicts},
+    dicts={**LEARNER.dicts, **FOLLOWER.dicts,
+           "dht_requests": counter("dht_requests_total", "DHT requests this node sent and served, by direction and "
+                                   "RPC (sent_find, served_store, ...).", "rpc"),
+           "dht_bytes": counter("dht_bytes_total", "Bytes of those DHT requests and their replies (protobuf sizes), "
+                                "by direction and RPC.", "rpc")},
     sections={**LEARNER.sections, **FOLLOWER.sections, "server": SERVER},
     ignore=LEARNER.ignore | FOLLOWER.ignore,
 )

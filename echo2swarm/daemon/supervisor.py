@@ -155,6 +155,8 @@ class Daemon:
             stats["server"]["uplink_windows"] = [round(r) for r in self.chunk_service.uplink.rates]
             stats["server"]["working_peers"] = len(self.chunk_service.working)
         stats["dht_refused"] = self.ctx.overlay.validator.refused
+        stats["dht_requests"] = dict(self.ctx.overlay.traffic.requests)
+        stats["dht_bytes"] = dict(self.ctx.overlay.traffic.bytes)
         return {
             "peer_id": self.ctx.overlay.peer_id,
             "role": self.config.role,

@@ -51,6 +51,7 @@ from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_ke
 from echo2swarm.overlay.rejoin import RejoinList
 from echo2swarm.overlay.roster import ASKED, WorkLog, signed_roster
 from echo2swarm.overlay.storage import BoundedStorage
+from echo2swarm.overlay.traffic import DhtTraffic
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.peer_keys import PeerKey, PeerKeyError
@@ -224,8 +225,10 @@ class Overlay:
     >>> await overlay.stop()
     """
 
-    def __init__(self, config: OverlayConfig, p2p: P2P, node: DHTNode, validator: SwarmRecordValidator, key: PeerKey):
+    def __init__(self, config: OverlayConfig, p2p: P2P, node: DHTNode, validator: SwarmRecordValidator, key: PeerKey,
+                 traffic: DhtTraffic | None = None):
         self.config = config
+        self.traffic = traffic or DhtTraffic()  # the DHT's requests and bytes, sent and served (overlay/traffic.py)
         self.p2p = p2p
         self.node = node
         self.validator = validator
@@ -297,6 +300,7 @@ class Overlay:
         )
         p2p_class = _p2p_class(p2pd_flags(config, auto_relay))
         validator = SwarmRecordValidator(config.swarm)
+        traffic = DhtTraffic()
         p2p: P2P | None = None
         try:
             try:
@@ -307,6 +311,7 @@ class Overlay:
             finally:
                 if temporary:
                     identity_path.unlink(missing_ok=True)
+            traffic.instrument(p2p)  # before the DHT registers its handlers
             if p2p.peer_id.to_base58() != key.peer_id:
                 raise BootstrapError(f"p2pd runs as {p2p.peer_id} but the identity key is {key.peer_id}")
             if not client and config.initial_peers and await _nobody_dials_back(p2p, config, key.peer_id):
@@ -344,7 +349,7 @@ class Overlay:
                     f"{type(e).__name__}: {e}. Check the addresses, that those peers run, and --bootstrap-timeout"
                 ) from None
             raise BootstrapError(f"could not start the libp2p node: {type(e).__name__}: {e}") from None
-        return cls(config, p2p, node, validator, key)
+        return cls(config, p2p, node, validator, key, traffic)
 
     def advertise(self, chunk_url: str | None, maddrs: list[str]) -> None:
         """Where others reach us (chunk URL, multiaddrs); the learner's signed heads carry it."""

@@ -118,6 +118,13 @@ def test_every_daemon_serves_prometheus_metrics(local_swarm: LocalSwarm, tiny_mo
     assert _value(scraped["relay"], "echo2swarm_policy_versions_held") >= 1
     assert _value(scraped["relay"], "echo2swarm_fetch_received_bytes_total") > 0
     assert not any(name.startswith("echo2swarm_learner_") for name in scraped["bootstrap"])
+    # The DHT's traffic, sent and served: every daemon stores its card (a find of the nearest nodes, then
+    # a store); the bootstrap, the DHT node they all joined through, served finds and stores.
+    for d in (bootstrap, learner, rollout, relay):
+        assert _value(scraped[d.name], "echo2swarm_dht_requests_total", rpc="sent_store") > 0, d.name
+        assert _value(scraped[d.name], "echo2swarm_dht_bytes_total", rpc="sent_find") > 0, d.name
+    for rpc in ("served_find", "served_store"):
+        assert _value(scraped["bootstrap"], "echo2swarm_dht_requests_total", rpc=rpc) > 0, rpc
     for d in (bootstrap, relay):
         _no_chunks_over_http(d)
 
