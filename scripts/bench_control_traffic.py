@@ -101,9 +101,13 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: ar
         except TimeoutError:
             installed = False
         rates = {}
+        by_rpc: dict[str, float] = {}  # mean bytes a second per node, by direction and RPC
         for name in urls:
             (b0, r0), (b1, r1) = counters(before[name]), counters(after[name])
             rates[name] = ((b1 - b0) / elapsed, (r1 - r0) / elapsed)
+            was, now = before[name]["stats"].get("dht_bytes", {}), after[name]["stats"].get("dht_bytes", {})
+            for rpc in now:
+                by_rpc[rpc] = by_rpc.get(rpc, 0.0) + (now[rpc] - was.get(rpc, 0)) / elapsed / len(urls)
         served = (after["learner"]["stats"].get("server", {}).get("bytes_served", 0)
                   - before["learner"]["stats"].get("server", {}).get("bytes_served", 0))
         # What one relay needed in the window (verified bytes, from whomever): the learner's upload over it is copies.
@@ -118,6 +122,7 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: ar
             "dht_bytes_per_node_s": round(statistics.mean(b for b, _ in rates.values())),
             "dht_requests_per_node_s": round(statistics.mean(r for _, r in rates.values()), 2),
             "busiest": busiest, "busiest_bytes_s": round(rates[busiest][0]),
+            "dht_bytes_per_node_s_by_rpc": {k: round(v) for k, v in sorted(by_rpc.items(), key=lambda kv: -kv[1])},
         }
     finally:
         for d in reversed(daemons):
