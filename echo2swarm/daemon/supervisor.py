@@ -157,6 +157,7 @@ class Daemon:
         stats["dht_refused"] = self.ctx.overlay.validator.refused
         stats["dht_requests"] = dict(self.ctx.overlay.traffic.requests)
         stats["dht_bytes"] = dict(self.ctx.overlay.traffic.bytes)
+        stats["card_reads"] = dict(self.ctx.overlay.cards.reads)
         return {
             "peer_id": self.ctx.overlay.peer_id,
             "role": self.config.role,

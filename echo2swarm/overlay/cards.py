@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection
 from typing import Any
 
@@ -54,6 +54,9 @@ class CardReader:
         self.validator = validator
         self.work = work
         self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
+        # What reading cards cost: `calls` of read(), `shared` reads of the one dictionary of every card,
+        # `own_keys` cards looked up by their own keys (what a control plane that grows with N is made of)
+        self.reads: Counter[str] = Counter()
         self.rosters: dict[str, RosterRecord] = {}  # signer -> its roster, as the last read that named it found it
         self._recent: OrderedDict[str, float] = OrderedDict()  # peer id -> monotonic time last returned
         self.maddrs: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer id -> its newest card's maddrs
@@ -108,6 +111,8 @@ class CardReader:
         prefer = list(dict.fromkeys(prefer))
         signers = prefer[:MAX_ROSTERS]
         shared_due = time.monotonic() >= self._shared_next
+        self.reads["calls"] += 1
+        self.reads["shared"] += shared_due
         fresh, found = await asyncio.gather(
             self.get_dict(peers_key(swarm)) if shared_due else _nothing(),
             self._get_dicts([roster_key(swarm, p) for p in signers]),
@@ -132,6 +137,7 @@ class CardReader:
             except (KeyError, RecordError):
                 missing.append(peer)
         if missing:
+            self.reads["own_keys"] += len(missing)
             own = await self._get_dicts([card_key(swarm, p) for p in missing])
             for peer in missing:
                 for entry in own.get(card_key(swarm, peer), []):

@@ -283,6 +283,9 @@ def test_a_flooded_shared_key_is_read_once_per_ttl_and_named_cards_stay_fresh(mo
     now[0] += config.record_ttl_s
     read()
     assert peers_key(SWARM) in node.asked
+    # What the reads cost, counted (/v1/info stats.card_reads): three calls, the shared key read twice, and
+    # the worker's card (not in the shared dictionary, only under its own key) by its own key at each call
+    assert overlay.cards.reads == {"calls": 3, "shared": 2, "own_keys": 3}
     # An honest swarm's shared key (no more cards than a reader keeps) is read at every call.
     quiet = _overlay({k: v for k, v in list(_flooded(5).items())}, max_cards=8)
     for _ in range(2):
