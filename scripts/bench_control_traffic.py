@@ -123,6 +123,12 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: ar
             "dht_requests_per_node_s": round(statistics.mean(r for _, r in rates.values()), 2),
             "busiest": busiest, "busiest_bytes_s": round(rates[busiest][0]),
             "dht_bytes_per_node_s_by_rpc": {k: round(v) for k, v in sorted(by_rpc.items(), key=lambda kv: -kv[1])},
+            # reads of the one dictionary holding every card, a second per node, by role
+            "shared_card_reads_s": {role: round(statistics.mean(
+                (after[name]["stats"].get("card_reads", {}).get("shared", 0)
+                 - before[name]["stats"].get("card_reads", {}).get("shared", 0)) / elapsed
+                for name in urls if name.rstrip("0123456789") == role), 3)
+                for role in ("bootstrap", "learner", "rollout", "relay")},
         }
     finally:
         for d in reversed(daemons):
