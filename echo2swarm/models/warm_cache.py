@@ -79,19 +79,23 @@ def lookup(recipe: Mapping[str, Any], out_dir: Path) -> WarmupResult | None:
     if root is None:
         return None
     entry = _entry(root, recipe)
+    copied: list[Path] = []
     try:
         saved = json.loads((entry / RECIPE_FILE).read_text())
-        if saved.get("recipe") != json.loads(json.dumps(recipe)) or not all((entry / f).is_file() for f in REQUIRED_FILES):
+        if (not isinstance(saved, dict) or saved.get("recipe") != json.loads(json.dumps(recipe))
+                or not all((entry / f).is_file() for f in REQUIRED_FILES)):
             raise ValueError("entry does not match its recipe")
         result = WarmupResult(**saved["result"])
-    except FileNotFoundError:
-        return None
+        for f in entry.iterdir():
+            if f.is_file() and f.name != RECIPE_FILE:
+                copied.append(out_dir / f.name)
+                shutil.copy(f, copied[-1])
     except (OSError, ValueError, TypeError, KeyError) as e:
-        logger.warning("ignoring the damaged warm model cache entry %s (%s); warming up again", entry, e)
+        for path in copied:  # `out_dir` was empty: leave it so for the warm-up
+            path.unlink(missing_ok=True)
+        if copied or not isinstance(e, FileNotFoundError):  # no entry at all is a plain miss
+            logger.warning("ignoring the damaged warm model cache entry %s (%s); warming up again", entry, e)
         return None
-    for f in entry.iterdir():
-        if f.is_file() and f.name != RECIPE_FILE:
-            shutil.copy(f, out_dir / f.name)
     logger.info("warm model from the cache %s (%d warm-up steps, accuracy %s)", entry, result.steps, result.accuracy)
     return result
 

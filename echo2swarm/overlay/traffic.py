@@ -21,7 +21,6 @@ from hivemind.p2p import P2P
 
 DHT_HANDLER = "DHTProtocol.rpc_"
 OPS = ("ping", "store", "find")
-DIRECTIONS = ("sent", "served")
 
 
 def _op(name: str) -> str | None:

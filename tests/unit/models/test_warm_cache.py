@@ -58,6 +58,31 @@ def test_a_damaged_entry_is_rebuilt(warmups: list[int], tmp_path: Path, caplog: 
     assert warmups == [3, 3, 3, 3]
 
 
+def test_an_entry_that_is_not_an_object_or_cannot_be_copied_is_a_miss(warmups: list[int], tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    write_tiny_model(tmp_path / "a", **RECIPE)
+    (entry,) = (tmp_path / "cache" / "tiny-models").iterdir()
+    recipe_text = (entry / warm_cache.RECIPE_FILE).read_text()
+    (entry / warm_cache.RECIPE_FILE).write_text("[]")  # JSON, but not an entry
+    write_tiny_model(tmp_path / "b", **RECIPE)
+    assert warmups == [3, 3]
+    # A copy that fails half-way: the files already copied are removed, and the warm-up runs into an empty dir.
+    (entry / warm_cache.RECIPE_FILE).write_text(recipe_text)
+    real_copy, calls = warm_cache.shutil.copy, []
+
+    def failing_copy(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("read error")
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(warm_cache.shutil, "copy", failing_copy)
+    out = tmp_path / "c"
+    out.mkdir()
+    assert warm_cache.lookup(json.loads(recipe_text)["recipe"], out) is None
+    assert len(calls) == 2 and list(out.iterdir()) == []
+
+
 def test_off_and_unwritable_caches_leave_the_model_written(warmups: list[int], tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(warm_cache.ENV, "off")
