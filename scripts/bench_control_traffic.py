@@ -2,8 +2,8 @@
 """Control-plane traffic per node as the swarm grows: the DHT bytes and requests every daemon sends
 and serves, measured on real daemons while a learner trains and N followers install every version.
 
-    python scripts/bench_control_traffic.py [--followers 4,8,16,40] [--window-s 30] [--step-s 5]
-                                              [--announce-period 10] [--json]
+    python scripts/bench_control_traffic.py [--followers 4,8,16,40] [--designs upstream,all]
+                                              [--window-s 30] [--step-s 5] [--announce-period 10] [--json]
 
 Per N, on 127.0.0.1, every daemon through the CLI (forked from one launcher, runtime/launcher.py,
 so that N daemons fit two cores): a bootstrap, a learner training the tiny model on arith (a version
@@ -16,6 +16,11 @@ learner's upload in copies (its chunk-server bytes over the verified bytes one r
 window, from anyone); DHT bytes and requests a second per node (mean, and the busiest node); and the
 growth of the per-node mean against the smallest N, beside N's own growth: a control plane whose
 per-node load grows with N shows a ratio near N's, one that grows logarithmically stays near 1.
+
+Each N runs once per design of the followers' card reads (`fetch.upstream_cards`): `upstream`, a
+follower placed by the broadcast plan reads its upstream peers' cards by their own keys (the
+default), and `all`, every follower reads the swarm's cards at every fetch (the design before);
+the table ends with the per-node bytes of the one over the other at each N.
 """
 
 from __future__ import annotations
@@ -63,13 +68,18 @@ def counters(info: dict[str, Any]) -> tuple[int, int]:
     return sum(stats.get("dht_bytes", {}).values()), sum(stats.get("dht_requests", {}).values())
 
 
-def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
+DESIGNS = {"upstream": "true", "all": "false"}  # design -> fetch.upstream_cards
+
+
+def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: str,
+        args: argparse.Namespace) -> dict[str, Any]:
     daemons: list[DaemonProcess] = []
     # The public defaults' announce period and TTL unless told otherwise (loopback_args' are the tests' 1 s).
     overlay = ["--announce-period", str(args.announce_period), "--record-ttl", str(3 * args.announce_period)]
+    env = {"ECHO2SWARM_FETCH__UPSTREAM_CARDS": DESIGNS[design]}
 
     def start(name: str, *extra: str) -> DaemonProcess:
-        d = DaemonProcess(name, [*loopback_args(SWARM, "WARNING"), *overlay, *extra], root / name,
+        d = DaemonProcess(name, [*loopback_args(SWARM, "WARNING"), *overlay, *extra], root / name, env=env,
                           launcher=launcher).start()
         daemons.append(d)
         return d
@@ -116,7 +126,7 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: ar
         one_copy = statistics.mean(fetched) if fetched else 0
         busiest = max(rates, key=lambda k: rates[k][0])
         return {
-            "followers": n, "daemons": len(daemons), "window_s": round(elapsed, 1), "versions": versions,
+            "followers": n, "design": design, "daemons": len(daemons), "window_s": round(elapsed, 1), "versions": versions,
             "all_installed": installed,
             "learner_copies": round(served / one_copy, 3) if one_copy else None,
             "dht_bytes_per_node_s": round(statistics.mean(b for b, _ in rates.values())),
@@ -138,6 +148,8 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, args: ar
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--followers", default="4,8,16", help="comma-separated numbers of relay followers")
+    parser.add_argument("--designs", default="upstream,all",
+                        help="followers' card reads to compare: upstream (by the plan, the default), all (every card)")
     parser.add_argument("--window-s", type=float, default=30.0, help="seconds of traffic measured per N")
     parser.add_argument("--step-s", type=float, default=5.0, help="the learner's shortest step: a version this often")
     parser.add_argument("--announce-period", type=float, default=10.0,
@@ -150,6 +162,9 @@ def main() -> None:
         parser.error(f"--followers takes numbers separated by commas, not {args.followers!r}")
     if not sizes or min(sizes) < 1 or max(sizes) > 200:
         parser.error("--followers: each between 1 and 200")
+    designs = args.designs.split(",")
+    if not designs or any(d not in DESIGNS for d in designs):
+        parser.error(f"--designs takes {' and '.join(DESIGNS)} separated by commas, not {args.designs!r}")
     if args.window_s <= 0 or args.announce_period <= 0 or args.step_s < 0:
         parser.error("--window-s and --announce-period must be positive, --step-s not negative")
 
@@ -165,24 +180,31 @@ def main() -> None:
         results = []
         try:
             for n in sizes:
-                result = run(root / f"n{n}", launcher, model, key, n, args)
-                results.append(result)
-                if args.json:
-                    print(json.dumps(result), flush=True)
-                else:
-                    print(f"N={n}: {result}", file=sys.stderr, flush=True)
+                for design in designs:
+                    result = run(root / f"n{n}-{design}", launcher, model, key, n, design, args)
+                    results.append(result)
+                    if args.json:
+                        print(json.dumps(result), flush=True)
+                    else:
+                        print(f"N={n} {design}: {result}", file=sys.stderr, flush=True)
         finally:
             launcher.close()
     if args.json:
         return
-    base = results[0]
-    print(f"{'followers':>9} {'versions':>8} {'installed':>9} {'copies':>6} {'DHT B/s/node':>12} {'req/s/node':>10} "
+    print(f"{'followers':>9} {'design':>8} {'versions':>8} {'installed':>9} {'copies':>6} {'DHT B/s/node':>12} {'req/s/node':>10} "
           f"{'busiest B/s':>11}  growth (per-node bytes / N)")
     for r in results:
+        base = next(b for b in results if b["design"] == r["design"])
         growth = r["dht_bytes_per_node_s"] / max(base["dht_bytes_per_node_s"], 1)
-        print(f"{r['followers']:>9} {r['versions']:>8} {str(r['all_installed']):>9} {r['learner_copies'] or 0:>6.2f} "
+        print(f"{r['followers']:>9} {r['design']:>8} {r['versions']:>8} {str(r['all_installed']):>9} {r['learner_copies'] or 0:>6.2f} "
               f"{r['dht_bytes_per_node_s']:>12,} {r['dht_requests_per_node_s']:>10.1f} {r['busiest_bytes_s']:>11,}  "
               f"x{growth:.2f} / x{r['followers'] / base['followers']:.2f} ({r['busiest']})")
+
+    if set(designs) == set(DESIGNS):
+        for n in sizes:
+            by = {r["design"]: r for r in results if r["followers"] == n}
+            print(f"N={n}: per-node DHT bytes, upstream / all: "
+                  f"x{by['upstream']['dht_bytes_per_node_s'] / max(by['all']['dht_bytes_per_node_s'], 1):.2f}")
 
 
 if __name__ == "__main__":

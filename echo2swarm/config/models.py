@@ -314,6 +314,10 @@ class FetchConfig(StrictModel):
         2.0, ge=0.2, le=60, description="Seconds between reads of the peer cards (who holds what) during a fetch; "
         "every read costs every DHT node some CPU, and holders change on the scale of whole versions.",
     )
+    upstream_cards: bool = Field(
+        True, description="A follower the broadcast plan places reads only its upstream peers' cards, by their own "
+        "keys. Off: the swarm's cards at every fetch, as before (per follower, a read of every card per version).",
+    )
     delta_order_items: int = Field(
         2**27, ge=0, le=2**40,
         description="Largest held version, in parameters, whose delta visiting orders are kept (4 bytes each; "

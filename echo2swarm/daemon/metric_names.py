@@ -306,7 +306,8 @@ STATS = Section(
            "dht_bytes": counter("dht_bytes_total", "Bytes of those DHT requests and their replies (protobuf sizes), "
                                 "by direction and RPC.", "rpc"),
            "card_reads": counter("card_reads_total", "Peer card reads: calls, shared (the one dictionary of every "
-                                 "card read whole), own_keys (cards read by their own keys).", "kind")},
+                                 "card read whole), named (reads of named peers only), own_keys (cards read by "
+                                 "their own keys).", "kind")},
     sections={**LEARNER.sections, **FOLLOWER.sections, "server": SERVER},
     ignore=LEARNER.ignore | FOLLOWER.ignore,
 )

@@ -10,6 +10,9 @@
       ─► named cards first, then the shared read's others: incumbents (returned before), then newest
       ─► at most `limit` (overlay.max_cards) cards
 
+    read_named(peers): exactly these peers' cards, by their own keys, and no shared read (a follower
+      that its broadcast plan places reads its upstream peers so: policy/follower.py)
+
 Anyone can sign cards with fresh keys, so the shared key may hold any number: a reply then carries
 part of it or fails outright (over hivemind's 4 MiB message cap). Nothing a reader needs comes from
 it alone: peers it has evidence for, and the peers on the rosters it trusts, are read by name.
@@ -55,7 +58,8 @@ class CardReader:
         self.work = work
         self.cards_dropped = 0  # valid cards left out by the max_cards bound, over all reads
         # What reading cards cost: `calls` of read(), `shared` reads of the one dictionary of every card,
-        # `own_keys` cards looked up by their own keys (what a control plane that grows with N is made of)
+        # `named` calls of read_named(), `own_keys` cards looked up by their own keys (what a control
+        # plane that grows with N is made of)
         self.reads: Counter[str] = Counter()
         self.rosters: dict[str, RosterRecord] = {}  # signer -> its roster, as the last read that named it found it
         self._recent: OrderedDict[str, float] = OrderedDict()  # peer id -> monotonic time last returned
@@ -189,6 +193,29 @@ class CardReader:
             self._shared_next = time.monotonic() + self.config.record_ttl_s if flooded else float("-inf")
         self._remember(cards)
         return cards, bad + refused
+
+    async def read_named(self, peers: Collection[str]) -> tuple[list[PeerCard], int]:
+        """The cards of exactly these peers, by their own keys (<swarm>/card/<id>), and how many were
+        refused: what a follower with a broadcast plan reads (its plan parents and their parents), a few
+        small lookups spread over the DHT, whatever the size of the swarm."""
+        peers = list(dict.fromkeys(peers))
+        self.reads["named"] += 1
+        self.reads["own_keys"] += len(peers)
+        keys = {card_key(self.config.swarm, p): p for p in peers}
+        found = await self._get_dicts(list(keys))
+        cards, bad = [], 0
+        for key, peer in keys.items():
+            for entry in found.get(key, []):
+                if entry[0] != peer:
+                    continue  # another subkey under a peer's own key is not that peer's card
+                try:
+                    cards.append(self._card(entry))
+                    break
+                except RecordError as e:
+                    bad += 1
+                    logger.debug("ignoring card of %s under its own key: %s", peer[-8:], e)
+        self._remember(cards)
+        return cards, bad
 
     def _remember(self, cards: list[PeerCard]) -> None:
         now = time.monotonic()

@@ -460,6 +460,10 @@ class Overlay:
         """
         return await self.cards.read(prefer, self.config.max_cards if limit is None else limit)
 
+    async def get_named_cards(self, peers: Collection[str]) -> tuple[list[PeerCard], int]:
+        """The live, signed cards of exactly these peers, by their own keys (no read of every card)."""
+        return await self.cards.read_named(peers)
+
     async def get_heads(self) -> tuple[list[HeadRecord], int]:
         heads, bad = [], 0
         for subkey, value, _ in await self.cards.get_dict(head_key(self.config.swarm)):

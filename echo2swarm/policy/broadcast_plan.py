@@ -74,6 +74,17 @@ class BroadcastPlan(BaseModel):
             return None
         return self.publisher if position == 0 else chain[position - 1]
 
+    def upstream(self, peer_id: str, depth: int) -> list[str]:
+        """The peers before `peer_id` in its chains, at most `depth` a chain, nearest first, the publisher
+        left out: its parents, and those it falls back on when a parent fails (they hold the version
+        before it does). Empty when `peer_id` is not in the plan."""
+        out: dict[str, None] = {}
+        for hop in range(1, depth + 1):
+            for chain in self.stripes:
+                if peer_id in chain and (position := chain.index(peer_id)) >= hop:
+                    out.setdefault(chain[position - hop])
+        return list(out)
+
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 

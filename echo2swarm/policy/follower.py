@@ -8,7 +8,9 @@
 
 Each chunk's route comes from the learner's signed broadcast plan (policy/broadcast_plan.py) and the
 peer cards: plan parent first (held open until it has the chunk), then peers holding the whole
-version, then the learner. Peer cards are re-read while a fetch runs, so holders that finish
+version, then the learner. A follower the plan places reads only the cards of the peers upstream of
+it (its parents and theirs, by their own DHT keys: a few lookups whatever the swarm's size); one it
+does not place reads the swarm's cards. They are re-read while a fetch runs, so holders that finish
 meanwhile take load off the learner.
 
 An offered head goes through exactly the same checks as one read from the DHT; it only saves
@@ -22,9 +24,10 @@ follower asks at most once per head_poll_s or per held answer. A step with an of
 read the DHT first (the next idle step does, every head_poll_s as before; while heads keep being
 offered, at least every DHT_OVERDUE x head_poll_s).
 
-Manifest, broadcast plan and (when older than holders_refresh_s) the peer cards are fetched at the
-same time. `path_of[v]["spans"]` keeps where a version's time went, in seconds: manifest (with
-plan and cards), path (walking back hash links), chunks, check (rebuild or dense check), commit.
+Manifest and broadcast plan are fetched at the same time, then the upstream peers' cards (waited for
+only while a plan parent's card is unknown). `path_of[v]["spans"]` keeps where a version's time went,
+in seconds: manifest (with plan and cards), path (walking back hash links), chunks, check (rebuild or
+dense check), commit.
 
 It runs as one task beside the daemon's other work, so whatever the peer does with the version
 it holds (generation, serving chunks) goes on while the next version downloads. Every refused head is
@@ -72,6 +75,7 @@ MAX_HEAD_BYTES = 16 * 1024  # a long-polled head's body at most (a head record i
 DHT_OVERDUE = 4  # with heads offered (long-poll, lease replies), the DHT is still read every 4 x head_poll_s
 MAX_SKIP_RECORDS = 1024  # distinct skipped head records remembered (for counting `known_bad` once each)
 PARENT_MAX_LAG = 3  # a plan parent whose card is further behind than this is not waited for (cards lag ~2 s)
+PLAN_UPSTREAM_DEPTH = 3  # cards read a chain: our parent, its parent and theirs (those hold a version before us)
 
 
 class PolicyFollower:
@@ -320,11 +324,9 @@ class PolicyFollower:
         self.on_state()
         refresher: asyncio.Task[None] | None = None
         try:
-            # Manifest and plan at once; stale cards are re-read beside them (the routes read `_cards` as
-            # they are when each chunk is asked for): one round trip before the chunks, not three.
-            cards_read = asyncio.Event()
-            refresher = asyncio.create_task(self._refresh_while_fetching(
-                first=time.monotonic() - self._cards_at >= self.fetch_config.holders_refresh_s, read=cards_read))
+            # Manifest and plan at once, then the cards of the plan's upstream peers, by their own keys
+            # (without a plan, the swarm's cards when they are stale); they are re-read while the
+            # chunks come (the routes read `_cards` as they are when each chunk is asked for).
             fetched, plan = await asyncio.gather(
                 self.fetcher.fetch_manifest(head, self._manifest_sources(head, publisher), trusted=self.trust.key,
                                             swarm=self.swarm, publisher=publisher.name),
@@ -338,6 +340,10 @@ class PolicyFollower:
                 raise fetched
             manifest, envelope = fetched
             self.plan = plan
+            cards_read = asyncio.Event()
+            refresher = asyncio.create_task(self._refresh_while_fetching(
+                first=self._upstream() is not None or time.monotonic() - self._cards_at >= self.fetch_config.holders_refresh_s,
+                read=cards_read))
             await self._await_parents(plan, cards_read)
             spans: Counter[str] = Counter(manifest=time.perf_counter() - started)
             path = await self.installer.catch_up(head, publisher, Linked(manifest, envelope), spans)
@@ -385,8 +391,24 @@ class PolicyFollower:
         return self.trust.key
 
     # -- sources ---------------------------------------------------------------------------------
+    def _upstream(self) -> list[str] | None:
+        """The peers before us in the plan of the version being fetched (PLAN_UPSTREAM_DEPTH a chain);
+        None when no such plan places us."""
+        plan, me = self.plan, self.overlay.peer_id
+        if not self.fetch_config.upstream_cards or plan is None or plan.version != self.fetching_version \
+                or not any(me in chain for chain in plan.stripes):
+            return None
+        return plan.upstream(me, PLAN_UPSTREAM_DEPTH)
+
     async def _refresh_cards(self) -> None:
-        cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else ())
+        """With a plan that places us: the cards of our upstream peers and the learner, by their own keys,
+        a few lookups whatever the swarm's size. Without (no plan, or not in it: a late joiner): the
+        swarm's cards, bounded by overlay.max_cards (overlay/cards.py)."""
+        upstream = self._upstream()
+        if upstream is not None:
+            cards, _ = await self.overlay.get_named_cards([*upstream, *([self.publisher] if self.publisher else [])])
+        else:
+            cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else ())
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
         self._cards_at = time.monotonic()
 

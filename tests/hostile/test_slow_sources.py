@@ -8,8 +8,10 @@ off and banned, and the rollout peer waited on it: the learner's step rate fell 
 Each rogue here is a real chunk source the follower's own code path consults: an HTTP chunk server
 in this process that proxies the learner's real bytes and drips them, and an overlay node with its
 own fresh key that stores its relay card in the swarm's DHT (so the learner may plan it as a
-parent, and the rollout peer takes it for a holder). The follower runs with the default fetch
-settings. The test measures the learner's step rate from its metrics before and during the attack,
+parent, and the rollout peer takes it for a holder). The follower reads every card, as one that no
+broadcast plan places does (a late joiner; `fetch.upstream_cards = false`): one the plan places asks
+only the peers upstream of it, and the learner plans these rogues after every peer seen working, so
+they would never be asked; otherwise it runs with the default fetch settings. The test measures the learner's step rate from its metrics before and during the attack,
 samples how far the rollout peer's version is behind the learner's, and checks that every rogue
 was asked and banned.
 """
@@ -195,7 +197,8 @@ def test_fresh_slow_identities_one_after_another_cost_duplicates_not_stalls(
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=400, staleness=STALENESS,
                           weight_decay=0.1)
     learner = local_swarm.start("learner", "--config", str(config))
-    peer = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"), env=PACED)
+    peer = local_swarm.rollout("rollout-1", trust=Path(f"{policy_key}.pub"),
+                               env={**PACED, "ECHO2SWARM_FETCH__UPSTREAM_CARDS": "false"})
     local_swarm.ready(learner)
     local_swarm.ready(peer)
     learner_info, peer_info = learner.info["chunk_url"] + "/v1/info", peer.info["chunk_url"] + "/v1/info"

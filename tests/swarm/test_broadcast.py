@@ -72,6 +72,8 @@ def test_chained_broadcast_keeps_the_learner_upload_near_one_copy(
     for relay in relays:
         stats = _info(relay)["stats"]
         assert stats["fetch"].get("parent_unknown", 0) == 0, stats["fetch"]
+        # Placed by the plan, it read its upstream peers' cards by their own keys, never every card.
+        assert stats["card_reads"].get("named", 0) >= 1 and stats["card_reads"].get("shared", 0) == 0, stats["card_reads"]
         sources = stats["fetched_from"]
         from_peers += sum(n for name, n in sources.items() if not name.startswith("learner:"))
         assert _genuine_chunks(relay.state_dir) > 1

@@ -292,3 +292,20 @@ def test_a_flooded_shared_key_is_read_once_per_ttl_and_named_cards_stay_fresh(mo
         quiet.node.asked.clear()  # type: ignore[attr-defined]
         asyncio.run(quiet.get_cards())
         assert quiet.node.asked == [peers_key(SWARM)]  # type: ignore[attr-defined]
+
+
+def test_a_named_read_asks_only_the_named_peers_own_keys_and_keeps_only_their_cards() -> None:
+    parent, grandparent, gone, stranger = (PeerKey.generate() for _ in range(4))
+    keys = {**_own(parent), **_own(grandparent), **_own(stranger)}
+    keys[card_key(SWARM, parent.peer_id)]["junk"] = ({"peer_id": "nope"}, time.time() + 30)  # beside its card
+    keys[card_key(SWARM, grandparent.peer_id)] = {stranger.peer_id: keys[card_key(SWARM, stranger.peer_id)][stranger.peer_id]}
+    node = _FakeNode(_flooded(40), keys)
+    overlay = Overlay(OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=8), _FakeP2P(), node,  # type: ignore[arg-type]
+                      SwarmRecordValidator(SWARM), PeerKey.generate())
+    cards, bad = asyncio.run(overlay.get_named_cards([parent.peer_id, grandparent.peer_id, gone.peer_id]))
+    # The parent's card; not the stranger's card stored under the grandparent's key; nothing for a peer
+    # with no card; and the shared dictionary of every card never read.
+    assert [c.peer_id for c in cards] == [parent.peer_id] and bad == 0
+    assert peers_key(SWARM) not in node.asked
+    assert set(node.asked) == {card_key(SWARM, k.peer_id) for k in (parent, grandparent, gone)}
+    assert overlay.cards.reads == {"named": 1, "own_keys": 3}

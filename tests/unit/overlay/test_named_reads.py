@@ -44,5 +44,10 @@ def test_a_card_is_stored_under_both_keys_and_a_roster_names_the_peers_seen_work
                 del node.protocol.storage.get(shared_id).value[worker.peer_id]
             cards, _ = await learner.get_cards()
             assert worker.peer_id in {c.peer_id for c in cards}
+            # A named read (a follower's, placed by a plan) finds it by its own key alone.
+            shared_reads = learner.cards.reads["shared"]
+            cards, bad = await learner.get_named_cards([worker.peer_id])
+            assert [c.peer_id for c in cards] == [worker.peer_id] and bad == 0
+            assert learner.cards.reads["shared"] == shared_reads
 
     asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -48,6 +48,17 @@ def test_every_peer_has_one_parent_per_chunk_and_the_learner_feeds_each_stripe_o
     assert plan.parent(PEERS[7], 0) is None  # joined after the plan: holders only
 
 
+def test_upstream_names_each_chains_nearest_peers_before_a_peer_and_never_the_learner():
+    key = PolicyKey.generate()
+    plan = make_plan(key, "s", 3, LEARNER, [(p, 100) for p in PEERS[:6]], seeds=2).model_copy(
+        update={"stripes": [PEERS[:6], [PEERS[5], PEERS[3], PEERS[1], PEERS[0], PEERS[4], PEERS[2]]]})  # two known chains
+    # The nearest first: both parents, then both grandparents, ...; at most `depth` a chain, no repeats.
+    assert plan.upstream(PEERS[4], depth=2) == [PEERS[3], PEERS[0], PEERS[2], PEERS[1]]
+    assert plan.upstream(PEERS[4], depth=1) == [plan.parent(PEERS[4], 0), plan.parent(PEERS[4], 1)]
+    assert plan.upstream(PEERS[5], depth=3) == [PEERS[4], PEERS[3], PEERS[2]]  # first in the second chain
+    assert plan.upstream(PEERS[7], depth=3) == []  # not in the plan
+
+
 def test_a_plan_verifies_only_with_its_key_swarm_version_and_publisher():
     key = PolicyKey.generate()
     data = make_plan(key, "s", 3, LEARNER, [(PEERS[0], None)], seeds=2).to_bytes()
