@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
 
 from echo2swarm.runtime.launcher import Launcher  # noqa: E402
+from helpers import lanes  # noqa: E402
 from helpers.swarm import BootstrapPool, LocalSwarm, log_digest  # noqa: E402
 
 LOG_TAIL_LINES = 60
@@ -208,8 +209,8 @@ def _swarms(value: Any) -> list[LocalSwarm]:
 
 
 # -- CPU report: `--cpu-report=N` prints the N tests that used the most CPU, their daemons included ----
-# The suite is CPU-bound on 2 cores (pytest-xdist -n 2 keeps them ~90 % busy and saves a sixth of the
-# wall time): what makes it long is CPU seconds, which --durations does not show. A test's CPU is its
+# On `make test`'s two workers the suite is CPU-bound: what makes it long is CPU seconds, which
+# --durations does not show (and which `CPU_HEAVY` below is chosen by). A test's CPU is its
 # process's and every child it reaped (daemons, p2pd, torchrun) from its setup to its teardown, so a
 # module's shared daemons count at the teardown of its last test, and a child reaped late where it is.
 _CPU_START = pytest.StashKey[float]()
@@ -228,6 +229,36 @@ def _cpu_seconds() -> float:
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--cpu-report", type=int, default=0, metavar="N",
                      help="print the N tests that used the most CPU seconds (their daemons included)")
+
+
+# -- Lanes for `make test`'s two workers (helpers/lanes.py) -------------------------------------------
+# The modules that keep more than a core busy for a long while (`--cpu-report`): one lane, one after
+# another. One listed that no longer exists stops the run (a renamed module must not leave the lane).
+CPU_HEAVY = (
+    "tests/hostile/test_sybil_leases.py",       # a hundred p2pd
+    "tests/e2e/test_user_flows.py",             # the demo's 200 steps
+    "tests/hostile/test_sampling_attacks.py",   # ten daemons, five attackers generating at once
+    "tests/swarm/test_sharded_learner.py",      # torchrun ranks
+    "tests/swarm/test_sharded_ranks.py",
+    "tests/e2e/test_demo_poker.py",
+    "tests/e2e/test_demo_model.py",             # the default target's warm-up
+    "tests/swarm/test_training.py",
+    "tests/hostile/test_forged_cards.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    missing = [m for m in CPU_HEAVY if not (config.rootpath / m).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py CPU_HEAVY names modules that do not exist: {missing}")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    return lanes.make_scheduler(config, log, CPU_HEAVY)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    lanes.order(items, CPU_HEAVY)
 
 
 @pytest.hookimpl(tryfirst=True)

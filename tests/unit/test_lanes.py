@@ -1,0 +1,46 @@
+"""The suite's lanes (helpers/lanes.py) with the pytest and pytest-xdist this project pins: a synthetic
+suite on two real workers, where the heavy modules must all run on one worker, in one piece each."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+CONFTEST = f'''
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from helpers import lanes
+HEAVY = ("test_heavy_a.py", "test_heavy_b.py", "test_heavy_c.py")
+def pytest_xdist_make_scheduler(config, log):
+    return lanes.make_scheduler(config, log, HEAVY)
+def pytest_collection_modifyitems(items):
+    lanes.order(items, HEAVY)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_heavy_modules_share_one_worker_and_the_light_ones_spread(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    for name in ("heavy_a", "heavy_b", "heavy_c", "light_a", "light_b", "light_c", "light_d"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import time\n" + "".join(f"def test_{i}():\n    time.sleep(0.05)\n" for i in range(3)))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadscope", "-v", "-p", "no:cacheprovider",
+                          "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ran = re.findall(r"^\[(gw\d)\] .* PASSED (test_\w+)\.py::test_(\d)", run.stdout, re.M)
+    assert len(ran) == 21, run.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, module, _ in ran:
+        workers.setdefault(module, set()).add(worker)
+    # A module runs whole on one worker, every heavy module on the same one, and the other worker
+    # starts on the light ones meanwhile.
+    assert all(len(w) == 1 for w in workers.values()), workers
+    heavy = {w for m, ws in workers.items() if m.startswith("test_heavy") for w in ws}
+    light = {w for m, ws in workers.items() if m.startswith("test_light") for w in ws}
+    assert len(heavy) == 1 and light - heavy, workers
