@@ -76,9 +76,9 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: 
     daemons: list[DaemonProcess] = []
     # The public defaults' announce period and TTL unless told otherwise (loopback_args' are the tests' 1 s).
     overlay = ["--announce-period", str(args.announce_period), "--record-ttl", str(3 * args.announce_period)]
-    env = {"ECHO2SWARM_FETCH__UPSTREAM_CARDS": DESIGNS[design]}
+    follower_env = {"ECHO2SWARM_FETCH__UPSTREAM_CARDS": DESIGNS[design]}  # roles without `fetch` refuse it
 
-    def start(name: str, *extra: str) -> DaemonProcess:
+    def start(name: str, *extra: str, env: dict[str, str] | None = None) -> DaemonProcess:
         d = DaemonProcess(name, [*loopback_args(SWARM, "WARNING"), *overlay, *extra], root / name, env=env,
                           launcher=launcher).start()
         daemons.append(d)
@@ -89,8 +89,9 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: 
         boot.wait_ready(120)
         join = ["--initial-peers", boot.maddr]
         start("learner", "--config", str(learner_toml(root / "learner.toml", model, key, args.step_s)), *join)
-        start("rollout", "--role", "rollout", "--price", "0.3", "--trust", f"{key}.pub", *join)
-        relays = [start(f"relay{i}", "--role", "relay", "--trust", f"{key}.pub", *join) for i in range(n)]
+        start("rollout", "--role", "rollout", "--price", "0.3", "--trust", f"{key}.pub", *join, env=follower_env)
+        relays = [start(f"relay{i}", "--role", "relay", "--trust", f"{key}.pub", *join, env=follower_env)
+                  for i in range(n)]
         for d in daemons:
             d.wait_ready(300)
         urls = {d.name: d.info["http_url"] + "/v1/info" for d in daemons}
