@@ -1,5 +1,6 @@
 """The suite's lanes (helpers/lanes.py) with the pytest and pytest-xdist this project pins: a synthetic
-suite on two real workers, where the heavy modules must all run on one worker, in one piece each."""
+suite on two real workers, where the heavy modules must all run on one worker, in one piece each, and
+a module that runs alone must have no test of another module running beside it."""
 
 from __future__ import annotations
 
@@ -16,25 +17,33 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from helpers import lanes
 HEAVY = ("test_heavy_a.py", "test_heavy_b.py", "test_heavy_c.py")
+ALONE = ("test_alone_a.py", "test_alone_b.py")
 def pytest_xdist_make_scheduler(config, log):
-    return lanes.make_scheduler(config, log, HEAVY)
+    return lanes.make_scheduler(config, log, HEAVY, ALONE)
 def pytest_collection_modifyitems(items):
-    lanes.order(items, HEAVY)
+    lanes.order(items, HEAVY, ALONE)
 '''
+# Each test notes when it ran: (module, start, end) on the clock both workers share.
+MODULE = '''import time
+from pathlib import Path
+def _note(start):
+    with open(Path(__file__).parent / "ran.txt", "a") as f:
+        f.write(f"{{Path(__file__).stem}} {{start}} {{time.time()}}\\n")
+''' + "".join(f"def test_{i}():\n    start = time.time()\n    time.sleep({{sleep}})\n    _note(start)\n" for i in range(3))
 
 
 @pytest.mark.timeout(120)
-def test_heavy_modules_share_one_worker_and_the_light_ones_spread(tmp_path: Path) -> None:
+def test_heavy_modules_share_one_worker_and_modules_that_run_alone_run_alone(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    for name in ("heavy_a", "heavy_b", "heavy_c", "light_a", "light_b", "light_c", "light_d"):
-        (tmp_path / f"test_{name}.py").write_text(
-            "import time\n" + "".join(f"def test_{i}():\n    time.sleep(0.05)\n" for i in range(3)))
+    names = ("heavy_a", "heavy_b", "heavy_c", "light_a", "light_b", "light_c", "light_d", "alone_a", "alone_b")
+    for name in names:
+        (tmp_path / f"test_{name}.py").write_text(MODULE.format(sleep=0.2 if name.startswith("alone") else 0.05))
     run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadscope", "-v", "-p", "no:cacheprovider",
                           "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     ran = re.findall(r"^\[(gw\d)\] .* PASSED (test_\w+)\.py::test_(\d)", run.stdout, re.M)
-    assert len(ran) == 21, run.stdout[-3000:]
+    assert len(ran) == 3 * len(names), run.stdout[-3000:]
     workers: dict[str, set[str]] = {}
     for worker, module, _ in ran:
         workers.setdefault(module, set()).add(worker)
@@ -44,3 +53,9 @@ def test_heavy_modules_share_one_worker_and_the_light_ones_spread(tmp_path: Path
     heavy = {w for m, ws in workers.items() if m.startswith("test_heavy") for w in ws}
     light = {w for m, ws in workers.items() if m.startswith("test_light") for w in ws}
     assert len(heavy) == 1 and light - heavy, workers
+    # While a test of a module that runs alone ran, no test of any other module did.
+    spans = [(m, float(a), float(b)) for m, a, b in (line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())]
+    for module, start, end in spans:
+        if module.startswith("test_alone"):
+            beside = [(m, a, b) for m, a, b in spans if m != module and a < end and b > start]
+            assert not beside, (module, start, end, beside)
