@@ -37,9 +37,11 @@ system-deps:
 
 # --durations=25 and --cpu-report=25: CI prints the 25 slowest tests and the 25 that used the most CPU
 # (their daemons included; tests/conftest.py), so a test that grows slow or hungry shows up in the next run.
-# Two pytest-xdist workers in lanes (tests/conftest.py): a module's tests on one worker, and the modules
-# that keep more than a core busy (CPU_HEAVY) one after another in one lane, so two of them never
-# starve each other's timing of CPU; the other worker takes the rest (docs/benchmarks.md, "Test suite duration").
+# Two pytest-xdist workers in lanes (tests/helpers/lanes.py, lists in tests/conftest.py): a module's
+# tests on one worker; the modules that keep more than a core busy (CPU_HEAVY) one after another in one
+# lane, so two of them never starve each other's timing of CPU; the other worker takes the rest; the
+# modules whose assertions a neighbour would skew (ALONE) last, on one worker, the other one gone
+# (docs/benchmarks.md, "Test suite duration").
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest tests -q -m "not vllm" -n 2 --dist loadscope --durations=25 --cpu-report=25
 
