@@ -245,8 +245,8 @@ CPU_HEAVY = (
     "tests/hostile/test_forged_cards.py",
 )
 # The modules that compare the learner's step rate before and during an attack, and the demo's test,
-# whose reward rose 0.076 in 200 steps with other tests beside it (0.154 alone; 0.1 asserted): each
-# runs alone, at the end, on one worker.
+# whose reward rose 0.076 in 200 steps once with other tests beside it (0.1 asserted; 0.154 alone,
+# 0.178 beside a busy loop: docs/benchmarks.md): each runs alone, at the end, on one worker.
 ALONE = (
     "tests/e2e/test_user_flows.py",             # the demo's 200 steps
     "tests/hostile/test_sybil_leases.py",       # also a hundred p2pd
