@@ -268,7 +268,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    lanes.order(items, CPU_HEAVY, ALONE)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' own
+        lanes.order(items, CPU_HEAVY, ALONE)
 
 
 @pytest.hookimpl(tryfirst=True)
