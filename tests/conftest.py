@@ -209,7 +209,7 @@ def _swarms(value: Any) -> list[LocalSwarm]:
 
 
 # -- CPU report: `--cpu-report=N` prints the N tests that used the most CPU, their daemons included ----
-# On `make test`'s two workers the suite is CPU-bound: what makes it long is CPU seconds, which
+# On two workers (or one) the suite is CPU-bound: what makes it long is CPU seconds, which
 # --durations does not show (and which `CPU_HEAVY` below is chosen by). A test's CPU is its
 # process's and every child it reaped (daemons, p2pd, torchrun) from its setup to its teardown, so a
 # module's shared daemons count at the teardown of its last test, and a child reaped late where it is.

@@ -141,17 +141,8 @@ class CardReader:
             except (KeyError, RecordError):
                 missing.append(peer)
         if missing:
-            self.reads["own_keys"] += len(missing)
-            own = await self._get_dicts([card_key(swarm, p) for p in missing])
-            for peer in missing:
-                for entry in own.get(card_key(swarm, peer), []):
-                    if entry[0] != peer:
-                        continue
-                    try:
-                        chosen[peer] = self._card(entry)
-                    except RecordError as e:
-                        bad += 1
-                        logger.debug("ignoring card of %s under its own key: %s", peer[-8:], e)
+            own, bad = await self._own_cards(missing)
+            chosen.update(own)
         cards = [chosen[p] for p in named if p in chosen]
 
         # The rest from the shared read: incumbents, then newest `updated_ms` (a date ahead of ours counts as now).
@@ -198,23 +189,28 @@ class CardReader:
         """The cards of exactly these peers, by their own keys (<swarm>/card/<id>), and how many were
         refused: what a follower with a broadcast plan reads (its plan parents and their parents), a few
         small lookups spread over the DHT, whatever the size of the swarm."""
-        peers = list(dict.fromkeys(peers))
         self.reads["named"] += 1
+        own, bad = await self._own_cards(list(dict.fromkeys(peers)))
+        cards = list(own.values())
+        self._remember(cards)
+        return cards, bad
+
+    async def _own_cards(self, peers: list[str]) -> tuple[dict[str, PeerCard], int]:
+        """Each peer's valid card under its own key (<swarm>/card/<id>), in `peers`' order, and how many
+        were refused; an entry under another subkey there is not that peer's card and is skipped."""
         self.reads["own_keys"] += len(peers)
-        keys = {card_key(self.config.swarm, p): p for p in peers}
-        found = await self._get_dicts(list(keys))
-        cards, bad = [], 0
-        for key, peer in keys.items():
-            for entry in found.get(key, []):
+        found = await self._get_dicts([card_key(self.config.swarm, p) for p in peers])
+        cards: dict[str, PeerCard] = {}
+        bad = 0
+        for peer in peers:
+            for entry in found.get(card_key(self.config.swarm, peer), []):
                 if entry[0] != peer:
-                    continue  # another subkey under a peer's own key is not that peer's card
+                    continue
                 try:
-                    cards.append(self._card(entry))
-                    break
+                    cards[peer] = self._card(entry)
                 except RecordError as e:
                     bad += 1
                     logger.debug("ignoring card of %s under its own key: %s", peer[-8:], e)
-        self._remember(cards)
         return cards, bad
 
     def _remember(self, cards: list[PeerCard]) -> None:

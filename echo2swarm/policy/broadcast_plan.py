@@ -78,10 +78,11 @@ class BroadcastPlan(BaseModel):
         """The peers before `peer_id` in its chains, at most `depth` a chain, nearest first, the publisher
         left out: its parents, and those it falls back on when a parent fails (they hold the version
         before it does). Empty when `peer_id` is not in the plan."""
+        placed = [(chain, chain.index(peer_id)) for chain in self.stripes if peer_id in chain]
         out: dict[str, None] = {}
         for hop in range(1, depth + 1):
-            for chain in self.stripes:
-                if peer_id in chain and (position := chain.index(peer_id)) >= hop:
+            for chain, position in placed:
+                if position >= hop:
                     out.setdefault(chain[position - hop])
         return list(out)
 

@@ -1,4 +1,4 @@
-"""Lanes for the suite's pytest-xdist workers (`make test`: `-n 2 --dist loadscope`).
+"""Lanes for the suite's pytest-xdist workers (`-n 2 --dist loadscope`; `make test` runs one process).
 
     collection (each worker) ─► order(items): heavy modules first, then modules that start daemons, then
                                 the rest, the modules that run alone last
