@@ -231,7 +231,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="print the N tests that used the most CPU seconds (their daemons included)")
 
 
-# -- Lanes for `make test`'s two workers (helpers/lanes.py) -------------------------------------------
+# -- Lanes for two workers, `-n 2 --dist loadscope` (helpers/lanes.py) ---------------------------------
 # The modules that keep more than a core busy for a long while (`--cpu-report`): one lane, one after
 # another. A module listed here or in ALONE that no longer exists stops the run (a renamed module must
 # not silently leave its lane).
