@@ -246,7 +246,8 @@ CPU_HEAVY = (
 )
 # The modules that compare the learner's step rate before and during an attack, and the demo's test,
 # whose reward rose 0.076 in 200 steps once with other tests beside it (0.1 asserted; 0.154 alone,
-# 0.178 beside a busy loop: docs/benchmarks.md): each runs alone, at the end, on one worker.
+# 0.178 beside a busy loop: docs/benchmarks.md): each runs alone, one after another on one worker, with
+# only light modules beside it.
 ALONE = (
     "tests/e2e/test_user_flows.py",             # the demo's 200 steps
     "tests/hostile/test_sybil_leases.py",       # also a hundred p2pd
@@ -255,6 +256,8 @@ ALONE = (
     "tests/hostile/test_lease_hoarding.py",
     "tests/hostile/test_slow_sources.py",
 )
+# One process each, about a core, no daemons: what may run beside a module that runs alone.
+LIGHT = ("tests/unit/", "tests/bench/")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -264,12 +267,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    return lanes.make_scheduler(config, log, CPU_HEAVY, ALONE)
+    return lanes.make_scheduler(config, log, CPU_HEAVY, ALONE, LIGHT)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' own
-        lanes.order(items, CPU_HEAVY, ALONE)
+        lanes.order(items, CPU_HEAVY, ALONE, LIGHT)
 
 
 @pytest.hookimpl(tryfirst=True)

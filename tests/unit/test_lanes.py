@@ -1,6 +1,6 @@
 """The suite's lanes (helpers/lanes.py) with the pytest and pytest-xdist this project pins: a synthetic
 suite on two real workers, where the heavy modules must all run on one worker, in one piece each, and
-a module that runs alone must have no test of another module running beside it."""
+a module that runs alone must have no test beside it but those of light modules."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ sys.path.insert(0, {str(TESTS)!r})
 from helpers import lanes
 HEAVY = ("test_heavy_a.py", "test_heavy_b.py", "test_heavy_c.py")
 ALONE = ("test_alone_a.py", "test_alone_b.py")
+LIGHT = ("test_unit_",)
 def pytest_xdist_make_scheduler(config, log):
-    return lanes.make_scheduler(config, log, HEAVY, ALONE)
+    return lanes.make_scheduler(config, log, HEAVY, ALONE, LIGHT)
 def pytest_collection_modifyitems(items):
-    lanes.order(items, HEAVY, ALONE)
+    lanes.order(items, HEAVY, ALONE, LIGHT)
 '''
 # Each test notes when it ran: (module, start, end) on the clock both workers share.
 MODULE = '''import time
@@ -33,12 +34,14 @@ def _note(start):
 
 
 @pytest.mark.timeout(120)
-def test_heavy_modules_share_one_worker_and_modules_that_run_alone_run_alone(tmp_path: Path) -> None:
+def test_heavy_modules_share_one_worker_and_modules_that_run_alone_have_only_light_ones_beside(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    names = ("heavy_a", "heavy_b", "heavy_c", "light_a", "light_b", "light_c", "light_d", "alone_a", "alone_b")
+    names = ("heavy_a", "heavy_b", "heavy_c", "swarm_a", "swarm_b", "swarm_c", "alone_a", "alone_b",
+             "unit_a", "unit_b", "unit_c", "unit_d")
+    sleeps = {"heavy": 0.1, "swarm": 0.05, "alone": 0.2, "unit": 0.1}
     for name in names:
-        (tmp_path / f"test_{name}.py").write_text(MODULE.format(sleep=0.2 if name.startswith("alone") else 0.05))
+        (tmp_path / f"test_{name}.py").write_text(MODULE.format(sleep=sleeps[name.split("_")[0]]))
     run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadscope", "-v", "-p", "no:cacheprovider",
                           "-p", "no:randomly", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -48,14 +51,14 @@ def test_heavy_modules_share_one_worker_and_modules_that_run_alone_run_alone(tmp
     for worker, module, _ in ran:
         workers.setdefault(module, set()).add(worker)
     # A module runs whole on one worker, every heavy module on the same one, and the other worker
-    # starts on the light ones meanwhile.
+    # starts on the other modules meanwhile.
     assert all(len(w) == 1 for w in workers.values()), workers
     heavy = {w for m, ws in workers.items() if m.startswith("test_heavy") for w in ws}
-    light = {w for m, ws in workers.items() if m.startswith("test_light") for w in ws}
-    assert len(heavy) == 1 and light - heavy, workers
-    # While a test of a module that runs alone ran, no test of any other module did.
+    others = {w for m, ws in workers.items() if m.startswith("test_swarm") for w in ws}
+    assert len(heavy) == 1 and others - heavy, workers
+    # While a test of a module that runs alone ran, only tests of light modules ran beside it.
     spans = [(m, float(a), float(b)) for m, a, b in (line.split() for line in (tmp_path / "ran.txt").read_text().splitlines())]
     for module, start, end in spans:
         if module.startswith("test_alone"):
-            beside = [(m, a, b) for m, a, b in spans if m != module and a < end and b > start]
+            beside = [(m, a, b) for m, a, b in spans if m != module and a < end and b > start and not m.startswith("test_unit")]
             assert not beside, (module, start, end, beside)

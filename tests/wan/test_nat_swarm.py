@@ -80,6 +80,9 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
         records = read_metrics(metrics)
         after = [r["time_s"] for r in records[killed_at_step - 1:]]
         worst_gap = max(b - a for a, b in zip(after, after[1:]))
+        # The machine's own pace before the kill: with other tests beside this one a step can take seconds.
+        before = [r["time_s"] for r in records[:killed_at_step]]
+        pace = max(b - a for a, b in zip(before[1:], before[2:]))  # from step 2: the first waits for the peers
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))
         delivered = records[-1]["delivered"]
         ids = {name: d.info["peer_id"] for name, d in peers.items()}
@@ -94,7 +97,7 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
         served = {name: infos[name]["p2p_served_to"] for name in peers}
         across = {name: served[name].get(ids["b" if name == "a" else "a"], 0) for name in peers}
         up = {name: lab.uplink_bytes(name) - up_before[name] for name in homes}
-        print(json.dumps({"killed_relay_at_step": killed_at_step, "worst_step_gap_after_s": worst_gap, "last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
+        print(json.dumps({"killed_relay_at_step": killed_at_step, "worst_step_gap_after_s": worst_gap, "worst_step_gap_before_s": pace, "last": last, "versions": {n: i["version"] for n, i in infos.items()}, "shares": shares,
                           "delivered": delivered, "served_across": across, "served_to": served, "uplink_bytes": up,
                           "reachability": {n: i["reachability"] for n, i in infos.items()}}, indent=1))
         table = swarm.cli(lab.hosts["boot"], "peers", "--initial-peers", swarm.initial_peers[0], "--swarm", "wan")
@@ -123,7 +126,8 @@ def test_peers_behind_two_nats_serve_each_other_through_a_relay(
         print(json.dumps({"chunk_streams_from_the_other_home": paths}))
         direct, relayed = (sum(p.get(kind, 0) for p in paths.values()) for kind in ("direct", "relayed"))
         assert direct > 0 and direct > relayed, paths
-        assert worst_gap <= LEASE_TIMEOUT_S + 3, f"a step waited {worst_gap:.1f} s after the relay died"
+        assert worst_gap <= LEASE_TIMEOUT_S + 3 + pace, (
+            f"a step waited {worst_gap:.1f} s after the relay died ({pace:.1f} s at most before)")
 
 
         def dead_relay_dropped() -> bool:  # p2pd drops a dead relay's circuit after some seconds; the bootstrap's stays
