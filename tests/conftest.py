@@ -13,6 +13,10 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers importable as `helpers`
+# One OpenMP (torch intra-op) thread in every process the suite starts, unless the caller says otherwise:
+# its models are tiny, and beside the other processes of a swarm (or the other worker's) a second thread
+# mostly spin-waits. Set before anything imports torch; the launcher and every daemon inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from echo2swarm.runtime.launcher import Launcher  # noqa: E402
 from helpers import lanes  # noqa: E402
