@@ -237,7 +237,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # -- Lanes for two workers, `-n 2 --dist loadscope` (helpers/lanes.py) ---------------------------------
 # The modules that keep more than a core busy for a long while (`--cpu-report`): one lane, one after
-# another. A module listed here or in ALONE that no longer exists stops the run (a renamed module must
+# another. A module listed here, in ALONE or in APART that no longer exists stops the run (a renamed module must
 # not silently leave its lane).
 CPU_HEAVY = (
     "tests/hostile/test_sampling_attacks.py",   # ten daemons, five attackers generating at once
@@ -248,13 +248,18 @@ CPU_HEAVY = (
     "tests/swarm/test_training.py",
     "tests/hostile/test_forged_cards.py",
 )
-# The modules that compare the learner's step rate before and during an attack, and the demo's test,
-# whose reward rose 0.076 in 200 steps once with other tests beside it (0.1 asserted; 0.154 alone,
-# 0.178 beside a busy loop: docs/benchmarks.md): each runs alone, one after another on one worker, with
-# only light modules beside it.
+# The demo's test, whose reward rose 0.076 in 200 steps once with other tests beside it (0.1 asserted;
+# 0.154 alone, 0.178 beside a busy loop: docs/benchmarks.md), and the Sybil crowd (a hundred p2pd, more
+# than a core) comparing the learner's step rate before and during the attack: each runs alone, one after
+# another on one worker, with only light modules beside it.
 ALONE = (
     "tests/e2e/test_user_flows.py",             # the demo's 200 steps
-    "tests/hostile/test_sybil_leases.py",       # also a hundred p2pd
+    "tests/hostile/test_sybil_leases.py",
+)
+# The other modules that compare the learner's step rate in a window before an attack and one during it.
+# Their swarms are paced (about half a core), so another module's daemons beside them leave the rate
+# alone; the heavy lane's bursts of two busy cores might not: they never run beside it.
+APART = (
     "tests/hostile/test_card_flood.py",
     "tests/hostile/test_held_flood.py",
     "tests/hostile/test_lease_hoarding.py",
@@ -265,18 +270,18 @@ LIGHT = ("tests/unit/", "tests/bench/")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    missing = [m for m in (*CPU_HEAVY, *ALONE) if not (config.rootpath / m).is_file()]
+    missing = [m for m in (*CPU_HEAVY, *ALONE, *APART) if not (config.rootpath / m).is_file()]
     if missing:
-        raise pytest.UsageError(f"tests/conftest.py CPU_HEAVY or ALONE names modules that do not exist: {missing}")
+        raise pytest.UsageError(f"tests/conftest.py CPU_HEAVY, ALONE or APART names modules that do not exist: {missing}")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    return lanes.make_scheduler(config, log, CPU_HEAVY, ALONE, LIGHT)
+    return lanes.make_scheduler(config, log, CPU_HEAVY, ALONE, LIGHT, APART)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # in one process the order stays the files' own
-        lanes.order(items, CPU_HEAVY, ALONE, LIGHT)
+        lanes.order(items, CPU_HEAVY, ALONE, LIGHT, APART)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -27,11 +27,16 @@ import pytest
 
 HEAVY_LANE = "cpu-heavy"
 ALONE = "alone:"  # the scope of a module that runs alone
+APART = "apart:"  # the scope of a module that never runs beside the heavy lane
 
 
-def lane(nodeid: str, heavy: Collection[str], alone: Collection[str] = ()) -> str:
+def lane(nodeid: str, heavy: Collection[str], alone: Collection[str] = (), apart: Collection[str] = ()) -> str:
     module = nodeid.split("::", 1)[0]
-    return ALONE + module if module in alone else HEAVY_LANE if module in heavy else module
+    if module in alone:
+        return ALONE + module
+    if module in apart:
+        return APART + module
+    return HEAVY_LANE if module in heavy else module
 
 
 def is_light(scope: str, light: Collection[str]) -> bool:
@@ -40,7 +45,7 @@ def is_light(scope: str, light: Collection[str]) -> bool:
 
 
 def make_scheduler(config: pytest.Config, log: Any, heavy: Collection[str], alone: Collection[str] = (),
-                   light: Collection[str] = ()) -> Any:
+                   light: Collection[str] = (), apart: Collection[str] = ()) -> Any:
     """The `pytest_xdist_make_scheduler` of `--dist loadscope`: lanes as scopes, in collection order."""
     if config.getvalue("dist") != "loadscope":
         return None
@@ -48,34 +53,45 @@ def make_scheduler(config: pytest.Config, log: Any, heavy: Collection[str], alon
 
     class Lanes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return lane(nodeid, heavy, alone)
+            return lane(nodeid, heavy, alone, apart)
+
+        def _allowed(self, scope: str, elsewhere: list[str]) -> bool:
+            """May `scope` start now, beside the unfinished scopes of the other workers?"""
+            if is_light(scope, light):
+                return True
+            if any(s.startswith(ALONE) for s in elsewhere):
+                return False
+            if scope.startswith(ALONE):
+                return all(is_light(s, light) for s in elsewhere)
+            if scope.startswith(APART):
+                return HEAVY_LANE not in elsewhere
+            return scope != HEAVY_LANE or not any(s.startswith(APART) for s in elsewhere)
 
         def _assign_work_unit(self, node: Any) -> None:
-            # Beside a module that runs alone only light modules run, and it starts only once every other
-            # worker runs light modules or nothing. The queue holds the heavy lane and the modules that
-            # start daemons, then those that run alone, then the light ones: a worker kept from the next
-            # module that runs alone takes light ones meanwhile. A worker left with nothing it may take
-            # (only modules that run alone are left, and another worker runs one or is still busy) is told
-            # to finish and exit (a worker runs its last test only once it is sent more or told to stop).
+            # The queue holds the heavy lane and the modules that start daemons (those kept apart from the
+            # heavy lane among them), then those that run alone, then the light ones. A worker takes the
+            # first module it may start now (`_allowed`); kept from the next module that runs alone, it
+            # takes light ones meanwhile. A worker left with nothing it may take waits to be asked again
+            # (`mark_test_complete`) while a module kept apart waits for the heavy lane, and is otherwise
+            # told to finish and exit: only modules that run alone are left, for the other worker (a
+            # worker runs its last test only once it is sent more or told to stop).
             elsewhere = [scope for other, work in self.assigned_work.items() if other is not node
                          for scope, tests in work.items() if not all(tests.values())]
-            alone_elsewhere = any(scope.startswith(ALONE) for scope in elsewhere)
-            busy_elsewhere = any(not scope.startswith(ALONE) and not is_light(scope, light) for scope in elsewhere)
-            for scope in self.workqueue:
-                if is_light(scope, light):
-                    break
-                if scope.startswith(ALONE) and not (alone_elsewhere or busy_elsewhere):
-                    break
-                if not scope.startswith(ALONE) and not alone_elsewhere:
-                    break
-            else:
-                if not node.shutting_down:
+            scope = next((s for s in self.workqueue if self._allowed(s, elsewhere)), None)
+            if scope is None:
+                if not any(s.startswith(APART) for s in self.workqueue) and not node.shutting_down:
                     node.shutdown()
                 return
             work_unit = self.workqueue.pop(scope)
             self.assigned_work.setdefault(node, {})[scope] = work_unit
             collection = self.registered_collections[node]
             node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+
+        def mark_test_complete(self, node: Any, item_index: int | str, duration: float = 0) -> None:
+            super().mark_test_complete(node, item_index, duration)
+            for other in list(self.assigned_work):  # a worker that waits with nothing to run asks again
+                if other is not node and not self._pending_of(self.assigned_work[other]):
+                    self._reschedule(other)
 
         def remove_node(self, node: Any) -> Any:
             crashed = super().remove_node(node)
@@ -88,13 +104,15 @@ def make_scheduler(config: pytest.Config, log: Any, heavy: Collection[str], alon
 
 
 def order(items: list[pytest.Item], heavy: Collection[str], alone: Collection[str] = (),
-          light: Collection[str] = ()) -> None:
+          light: Collection[str] = (), apart: Collection[str] = ()) -> None:
     """Sort in place, whole modules at a time (a module's tests stay together and in their order): the
-    heavy lane, modules that start daemons, other modules, those that run alone, the light ones."""
-    rank: dict[str, int] = {}
+    heavy lane, modules that start daemons (those kept apart first), other modules, those that run
+    alone, the light ones."""
+    rank: dict[str, float] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
-        mine = (3 if module in alone else 0 if module in heavy else 4 if is_light(module, light)
+        mine = (3 if module in alone else 0 if module in heavy else 0.5 if module in apart
+                else 4 if is_light(module, light)
                 else 1 if item.get_closest_marker("swarm") or item.get_closest_marker("slow") else 2)
         rank[module] = min(mine, rank.get(module, 4))
     items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])

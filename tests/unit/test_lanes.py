@@ -1,6 +1,7 @@
 """The suite's lanes (helpers/lanes.py) with the pytest and pytest-xdist this project pins: a synthetic
 suite on two real workers, where the heavy modules must all run on one worker, in one piece each, and
-a module that runs alone must have no test beside it but those of light modules."""
+a module that runs alone must have no test beside it but those of light modules, and a module kept apart
+no test of the heavy lane."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from helpers import lanes
 HEAVY = ("test_heavy_a.py", "test_heavy_b.py", "test_heavy_c.py")
 ALONE = ("test_alone_a.py", "test_alone_b.py")
 LIGHT = ("test_unit_",)
+APART = ("test_apart_a.py", "test_apart_b.py")
 def pytest_xdist_make_scheduler(config, log):
-    return lanes.make_scheduler(config, log, HEAVY, ALONE, LIGHT)
+    return lanes.make_scheduler(config, log, HEAVY, ALONE, LIGHT, APART)
 def pytest_collection_modifyitems(items):
-    lanes.order(items, HEAVY, ALONE, LIGHT)
+    lanes.order(items, HEAVY, ALONE, LIGHT, APART)
 '''
 # Each test notes when it ran: (module, start, end) on the clock both workers share.
 MODULE = '''import time
@@ -34,12 +36,12 @@ def _note(start):
 
 
 @pytest.mark.timeout(120)
-def test_heavy_modules_share_one_worker_and_modules_that_run_alone_have_only_light_ones_beside(tmp_path: Path) -> None:
+def test_heavy_modules_share_one_worker_and_modules_that_run_alone_or_apart_keep_their_distance(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    names = ("heavy_a", "heavy_b", "heavy_c", "swarm_a", "swarm_b", "swarm_c", "alone_a", "alone_b",
-             "unit_a", "unit_b", "unit_c", "unit_d")
-    sleeps = {"heavy": 0.1, "swarm": 0.05, "alone": 0.2, "unit": 0.1}
+    names = ("heavy_a", "heavy_b", "heavy_c", "swarm_a", "swarm_b", "swarm_c", "apart_a", "apart_b", "alone_a",
+             "alone_b", "unit_a", "unit_b", "unit_c", "unit_d")
+    sleeps = {"heavy": 0.1, "swarm": 0.05, "apart": 0.1, "alone": 0.2, "unit": 0.1}
     for name in names:
         (tmp_path / f"test_{name}.py").write_text(MODULE.format(sleep=sleeps[name.split("_")[0]]))
     run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadscope", "-v", "-p", "no:cacheprovider",
@@ -61,4 +63,7 @@ def test_heavy_modules_share_one_worker_and_modules_that_run_alone_have_only_lig
     for module, start, end in spans:
         if module.startswith("test_alone"):
             beside = [(m, a, b) for m, a, b in spans if m != module and a < end and b > start and not m.startswith("test_unit")]
+            assert not beside, (module, start, end, beside)
+        if module.startswith("test_apart"):  # ... and while one kept apart ran, no heavy one did
+            beside = [(m, a, b) for m, a, b in spans if a < end and b > start and m.startswith("test_heavy")]
             assert not beside, (module, start, end, beside)
