@@ -38,8 +38,8 @@ system-deps:
 # --durations=25 and --cpu-report=25: CI prints the 25 slowest tests and the 25 that used the most CPU
 # (their daemons included; tests/conftest.py), so a test that grows slow or hungry shows up in the next run.
 # One process: on two pytest-xdist workers in lanes (`-n 2 --dist loadscope`, tests/helpers/lanes.py)
-# the suite took 902 s instead of ~1,314 s, but two CI runs of three had a timing test fail with other
-# work beside it (docs/benchmarks.md, "Test suite duration"), so the lanes stay opt-in until those hold.
+# the suite took 765-889 s instead of ~1,160-1,240 s, but the NAT swarm's test failed there in two runs
+# of four (docs/benchmarks.md, "Test suite duration"), so the lanes stay opt-in until it holds.
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25 --cpu-report=25
 

@@ -1,7 +1,8 @@
 """Lanes for the suite's pytest-xdist workers (`-n 2 --dist loadscope`; `make test` runs one process).
 
-    collection (each worker) ─► order(items): heavy modules first, then modules that start daemons, then
-                                the rest, then the modules that run alone, the light ones last
+    collection (each worker) ─► order(items): heavy modules first, then modules that start daemons (those
+                                kept apart first), then the rest, then the modules that run alone, the
+                                light ones last
     scheduler (the controller) ─► Lanes: one scope per module, one scope for every heavy module together
 
 A module's tests run together on one worker, so a module's shared swarm starts once. The heavy modules
@@ -11,7 +12,8 @@ worker takes the remaining modules, longest kinds first.
 The modules that run alone (tests/conftest.py ALONE: they compare the learner's step rate before and
 during an attack, or the demo's reward over its steps, which a swarm starting on the other worker would
 skew) run one after another on one worker, once every other worker runs only light modules (tests/unit,
-tests/bench: one process, about a core, no daemons: a steady neighbour) or has exited.
+tests/bench: one process, about a core, no daemons: a steady neighbour) or has exited. The modules kept
+apart (tests/conftest.py APART: paced step-rate comparisons) run beside anything but the heavy lane.
 
 xdist's own `--dist loadgroup` would say the same with marks, but it renames items (`_nodeid`), which
 pytest 9 no longer reads: the groups silently vanish. The scheduler hook sees only node ids, so the
