@@ -55,7 +55,7 @@ class TrainConfig(_Section):
         "over the nucleus (architecture.md §6, rollout/engines/base.py). 1.0: no truncation.",
     )
     lr: float = Field(3e-4, gt=0, le=1, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay (0: none).")
     adam_beta1: float = Field(
         0.7, ge=0, lt=1, description="AdamW's first-moment decay (TRL's name). 0.7, not torch's 0.9: momentum is a "
         "delay that adds to staleness (operations.md, 'Staleness'); 0.9 for runs that stay on-policy.",

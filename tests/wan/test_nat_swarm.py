@@ -19,18 +19,22 @@ from helpers.swarm import learner_toml, read_metrics
 from tests.helpers.wanlab import WanLab
 from tests.helpers.wanswarm import WanSwarm
 
-STEPS = 24
+STEPS = 20
 KILL_AT_STEP = 8
 LEASE_TIMEOUT_S = 5.0
 HOME_UP_MBIT = 20
+WEIGHT_DECAY = 0.1
 
 
 def _learner_toml(path: Path, model: Path, key: Path) -> Path:
     # Every version dense (keyframe_every = 1) in 64 KiB chunks: ~19 chunks a version for the plan's chains.
-    # Steps of at least 0.25 s: the untrained tiny model can step in 0.1 s, and a home that stalls for a
-    # second then falls more than a version behind as the learner exits, with no head left to catch up by.
+    # Every version has new bytes: the tiny model earns no reward, so no gradient, but weight decay moves
+    # every weight at every step (without it only v1 ever crossed between the homes, a race the relay and
+    # the learner often won). Steps of at least 1 s: a version (1.2 MB) takes ~0.5 s through a home's
+    # 20 Mbit/s uplink to the other home, and a home that lags more than S behind is given no lease.
     # Both peers work throughout: cost-aware activation would put one on standby (the tiny model is fast).
-    return learner_toml(path, model, key, steps=STEPS, staleness=1, min_step_s=0.25, checkpoint_every=100,
+    return learner_toml(path, model, key, steps=STEPS, staleness=1, min_step_s=1.0, checkpoint_every=100,
+                        weight_decay=WEIGHT_DECAY,
                         publish={"keyframe_every": 1, "chunk_size": "64KiB"},
                         sections={"leases": {"timeout_s": LEASE_TIMEOUT_S}, "activation": {"enabled": False}})
 
