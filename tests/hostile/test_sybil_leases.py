@@ -85,6 +85,7 @@ class Crowd:
         self.tasks: list[Any] = []
         self.stats = {"leases": 0, "waits": 0, "submitted": 0}
         self.taken = 0
+        self.starting: Any = None
 
     def run(self, coro: Any, timeout: float = 300.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -180,10 +181,11 @@ class Crowd:
         result = await stub.submit(groups, timeout=10)
         self.stats["submitted"] += result.accepted
 
-    def prepare(self, n: int) -> None:
-        """Start `n` identities' hosts ahead of the measurements: their p2pd starts are this machine's
-        cost of playing the attacker, not the learner's."""
-        self.run(self._start(n))
+    def prepare(self, n: int) -> Any:
+        """Start `n` identities' hosts ahead of the measurements (their p2pd starts are this machine's
+        cost of playing the attacker, not the learner's); returns the future of their start."""
+        self.starting = asyncio.run_coroutine_threadsafe(self._start(n), self.loop)
+        return self.starting
 
     def _take(self, n: int) -> tuple[list[Any], list[Any]]:
         """The next `n` prepared identities."""
@@ -220,6 +222,11 @@ class Crowd:
                 await self.node_p2p.shutdown()
 
         try:
+            if self.starting is not None:  # hosts still starting would outlive the shutdown below
+                try:
+                    self.starting.result(120)
+                except Exception:  # the test already fails for what it raised
+                    pass
             self.run(shutdown(), timeout=120)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
@@ -240,15 +247,16 @@ def test_fresh_identities_never_cost_the_learner_its_delivering_peers(
     honest = [swarm.rollout(f"rollout-{i}", price=0.3 + 0.1 * i, trust=Path(f"{policy_key}.pub"), env=PACED)
               for i in range(2)]
     info = swarm.ready(learner)
-    for peer in honest:
-        swarm.ready(peer)
     info_url = info["chunk_url"] + "/v1/info"
-    wait_until(lambda: http_json(info_url)["stats"]["capacity"]["planned"], 180, interval=0.5,
-               what="the learner's first activation plan over the two honest peers")
-    rate = StepRate(info_url, {p.info["peer_id"] for p in honest})
     crowd = Crowd(swarm.bootstrap_addr, learner.maddr, info["peer_id"], swarm.swarm)
     try:
-        crowd.prepare(BURST + CROWD)
+        starting = crowd.prepare(BURST + CROWD)  # beside the honest peers' own start, before any measurement
+        for peer in honest:
+            swarm.ready(peer)
+        rate = StepRate(info_url, {p.info["peer_id"] for p in honest})
+        wait_until(lambda: http_json(info_url)["stats"]["capacity"]["planned"], 180, interval=0.5,
+                   what="the learner's first activation plan over the two honest peers")
+        starting.result(300)
         # The hosts' start-up storm can starve the learner long enough that its planned peer looks quiet
         # and leaves the plan (CI, stop 37: no step for 40 s). Measure from a swarm that recovered from
         # the harness: steps flowing again under a plan, as before the storm.
