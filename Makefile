@@ -37,11 +37,12 @@ system-deps:
 
 # --durations=25 and --cpu-report=25: CI prints the 25 slowest tests and the 25 that used the most CPU
 # (their daemons included; tests/conftest.py), so a test that grows slow or hungry shows up in the next run.
-# One process: on two pytest-xdist workers in lanes (`-n 2 --dist loadscope`, tests/helpers/lanes.py)
-# the suite took 765-889 s instead of ~1,160-1,240 s, but the NAT swarm's test failed there in two runs
-# of four (docs/benchmarks.md, "Test suite duration"), so the lanes stay opt-in until it holds.
+# Two pytest-xdist workers in lanes (tests/helpers/lanes.py; the lists are in tests/conftest.py): the
+# CPU-hungry modules one after another on one worker, the demo's test and the Sybil crowd alone with only
+# unit tests beside them, the paced step-rate comparisons never beside the hungry ones. One process took
+# ~1,160-1,240 s; the lanes 765-813 s (docs/benchmarks.md, "Test suite duration").
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest tests -q -m "not vllm" --durations=25 --cpu-report=25
+	$(BIN)/python -m pytest tests -q -m "not vllm" -n 2 --dist loadscope --durations=25 --cpu-report=25
 
 install-vllm: $(VLLM_STAMP)
 

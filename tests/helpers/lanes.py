@@ -1,4 +1,4 @@
-"""Lanes for the suite's pytest-xdist workers (`-n 2 --dist loadscope`; `make test` runs one process).
+"""Lanes for the suite's two pytest-xdist workers (`make test`: `-n 2 --dist loadscope`).
 
     collection (each worker) ─► order(items): heavy modules first, then modules that start daemons (those
                                 kept apart first), then the rest, then the modules that run alone, the
