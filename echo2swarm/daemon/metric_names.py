@@ -121,7 +121,8 @@ SOURCE_FAILURES = counter("fetch_source_failures_total", "Chunk and manifest req
 PLAN_PARENT = counter("fetch_plan_parent_events_total", "What happened with plan parents: not_begun (a parent that "
                       "had not begun the version, asked again), passed_over (a parent given up on after "
                       "fetch.source_wait_s), unknown (the plan named a parent with no card yet: the card read was "
-                      "awaited), behind (its card showed it catching up, over 3 versions back: not waited for).",
+                      "awaited), behind (its card showed it catching up, over 3 versions back: not waited for), past (its card "
+                      "showed it on a newer version, neither holding nor fetching this one: not waited for).",
                       "event")
 HEDGES = counter("fetch_hedges_total", "Hedged chunk and manifest requests: fired (another source asked beside a "
                  "request that ran past fetch.hedge_after x the recent median chunk time), won (the hedge's copy was "
@@ -132,7 +133,7 @@ FETCH = Section(
         "chunks_fetched": _one(counter("fetch_chunks_total", "Verified chunks fetched from other peers.")),
         "bad_chunk": _one(counter("fetch_bad_chunks_total", "Chunks that did not match their hash (source banned).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
-        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind")},
+        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind", "past")},
         **{f"hedges_{outcome}": (HEDGES, outcome) for outcome in ("fired", "won")},
         "hedge_bytes": _one(counter("fetch_hedge_discarded_bytes_total", "Bytes received by requests cancelled "
                                     "because another copy won the race (duplicates; not in fetch_received_bytes_total).")),

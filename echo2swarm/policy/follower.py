@@ -121,7 +121,7 @@ class PolicyFollower:
         self.arrival_s: dict[int, float] = {}
         self._first_seen: dict[int, float] = {}
         self._cards: list[PeerCard] = []
-        self._behind_noted: tuple[str, int] | None = None  # (parent, version) last counted as `parent_behind`
+        self._parent_noted: tuple[str, str, int] | None = None  # (why, parent, version) last counted as `parent_<why>`
         self._sources: dict[str, ChunkSource] = {}
         self._publisher_cache: tuple[tuple[str, str | None, tuple[str, ...]], ChunkSource] | None = None
         self.plan: BroadcastPlan | None = None
@@ -478,9 +478,22 @@ class PolicyFollower:
         card = next((c for c in self._cards if c.peer_id == peer_id), None)
         if card is None or card.fetching == version or (card.version or 0) >= version - PARENT_MAX_LAG:
             return False
-        if self._behind_noted != (peer_id, version):
-            self._behind_noted = (peer_id, version)
-            self.fetcher.stats["parent_behind"] += 1
+        return self._note_parent("behind", peer_id, version)
+
+    def _parent_past(self, peer_id: str, version: int) -> bool:
+        """The card of plan parent `peer_id` shows it on a newer version than `version`, neither holding
+        nor fetching this one: it will never have it (a follower catching up after it fell behind, e.g.
+        while the learner restarted). Counted once a version fetch as `parent_past`."""
+        card = next((c for c in self._cards if c.peer_id == peer_id), None)
+        if card is None or card.version is None or card.version <= version or card.fetching == version \
+                or version in card.held:
+            return False
+        return self._note_parent("past", peer_id, version)
+
+    def _note_parent(self, why: str, peer_id: str, version: int) -> bool:
+        if self._parent_noted != (why, peer_id, version):
+            self._parent_noted = (why, peer_id, version)
+            self.fetcher.stats[f"parent_{why}"] += 1
         return True
 
     def _holders(self, version: int) -> list[ChunkSource]:
@@ -536,9 +549,10 @@ class PolicyFollower:
             route.append((publisher, 0.0))
         elif parent is not None:
             if (source := self._source_for(parent)) is not None:
-                # a parent whose card shows it far behind is catching up itself (it may skip this version):
-                # asked first, but not waited for
-                wait = 0.0 if self._parent_behind(parent, version) else self.fetch_config.source_wait_s
+                # a parent whose card shows it far behind is catching up itself (it may skip this version),
+                # one already past this version will never fetch it: asked first, but not waited for
+                idle = self._parent_behind(parent, version) or self._parent_past(parent, version)
+                wait = 0.0 if idle else self.fetch_config.source_wait_s
                 route.append((source, wait))
             else:  # its card not read yet (or expired): this chunk goes around its parent
                 self.fetcher.stats["parent_unknown"] += 1

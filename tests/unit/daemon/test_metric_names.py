@@ -66,7 +66,7 @@ def _rollout_info() -> dict[str, Any]:
             "fetch": {"chunks_fetched": 3, "bytes_fetched": 3000, "source_busy": 2, "source_error": 1,
                       "hedges_fired": 3, "hedges_won": 2, "hedge_bytes": 120,
                       "source_too_slow": 1, "bans": 1, "bans_too_slow": 1, "parent_not_begun": 4,
-                      "parent_passed_over": 1, "parent_unknown": 2, "parent_behind": 1},
+                      "parent_passed_over": 1, "parent_unknown": 2, "parent_behind": 1, "parent_past": 1},
             "arrival_s": {"1": 0.5}, "trusted_key": "ed25519:00",
             "dht_refused": 0,
         },

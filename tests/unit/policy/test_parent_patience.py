@@ -125,7 +125,8 @@ def test_a_plan_parent_far_behind_is_not_waited_for() -> None:
                                  SimpleNamespace(peer_id="far", version=3, fetching=9),
                                  SimpleNamespace(peer_id="new", version=None, fetching=None),
                                  SimpleNamespace(peer_id="on_it", version=2, fetching=14)],
-                         _behind_noted=None, fetcher=SimpleNamespace(stats=stats))
+                         _parent_noted=None, fetcher=SimpleNamespace(stats=stats))
+    me._note_parent = lambda *args: PolicyFollower._note_parent(me, *args)  # type: ignore[arg-type]
 
     def behind(peer: str, version: int = 14) -> bool:
         return PolicyFollower._parent_behind(me, peer, version)  # type: ignore[arg-type]
@@ -136,3 +137,31 @@ def test_a_plan_parent_far_behind_is_not_waited_for() -> None:
     assert not behind("on_it")  # fetching this very version: worth waiting for
     assert not behind("unknown")  # no card: the caller routes around it (parent_unknown)
     assert stats["parent_behind"] == 3  # once per (parent, version) in a row, not once per chunk
+
+
+def test_a_plan_parent_past_the_version_is_not_waited_for() -> None:
+    """A follower that fell behind (the learner restarted, its versions came fast) fetches a version its plan
+    parent has already left: a parent whose card shows a newer version, neither holding nor fetching this
+    one, will never begin it, so it is asked first but not waited for (CI: a follower waited 10 s on such a
+    parent at every version until the learner had finished)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from echo2swarm.policy.follower import PolicyFollower
+
+    stats: Counter[str] = Counter()
+    me = SimpleNamespace(_cards=[SimpleNamespace(peer_id="ahead", version=20, held=[19, 20], fetching=None),
+                                 SimpleNamespace(peer_id="refetching", version=20, held=[20], fetching=14),
+                                 SimpleNamespace(peer_id="new", version=None, held=[], fetching=None)],
+                         _parent_noted=None, fetcher=SimpleNamespace(stats=stats))
+    me._note_parent = lambda *args: PolicyFollower._note_parent(me, *args)  # type: ignore[arg-type]
+
+    def past(peer: str, version: int = 14) -> bool:
+        return PolicyFollower._parent_past(me, peer, version)  # type: ignore[arg-type]
+
+    assert past("ahead") and past("ahead") and past("ahead", 18)
+    assert not past("ahead", 19) and not past("ahead", 20)  # it holds them: served at once, as a holder
+    assert not past("ahead", 21)  # its next version: the parent is about to begin it, worth waiting for
+    assert not past("refetching")  # fetching this very version
+    assert not past("new") and not past("unknown")  # nothing known: waited for, or routed around (parent_unknown)
+    assert stats["parent_past"] == 2  # once per (parent, version) in a row, not once per chunk
