@@ -208,18 +208,20 @@ class GRPOTrainer(UpdatePath):
         (``groups_trained`` 0, ``loss`` 0.0, no optimizer step).
 
         The first forward of the policy gives the proximal logprobs (the policy before this step's
-        first update), the verification's reference and the off-policy gap. With one update per step
-        (``ppo_epochs * minibatches == 1``) that forward, with gradient, is also the objective's;
-        otherwise it runs without gradient and each minibatch has its own forward and update, the
-        clip bounding the move away from the proximal policy.
+        first update), the verification's reference and the off-policy gap. When the first update
+        takes the whole batch (``minibatches == 1``, one process, no micro-batches) that forward, with
+        gradient, is also the first update's: the step then makes ``ppo_epochs`` forwards, not one
+        more. Otherwise it runs without gradient and each minibatch has its own forward and update.
+        Later updates are clipped against the proximal policy.
         """
         started = time.perf_counter()
         config = self.config
         batch = self.build_batch(groups)
         rows = self._group_rows(groups)
         one_update = config.ppo_epochs * min(config.minibatches, len(groups)) == 1
-        # One update whose forward is the proximal one too, unless it is split into micro-batches.
-        fused = one_update and self.world == 1 and config.micro_batch_sequences is None
+        # The first update's forward is the proximal one too when that update takes the whole batch in
+        # one forward (one minibatch, one process, no micro-batches).
+        fused = min(config.minibatches, len(groups)) == 1 and self.world == 1 and config.micro_batch_sequences is None
         with torch.set_grad_enabled(fused):
             scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                        temperature=config.temperature)
@@ -260,13 +262,16 @@ class GRPOTrainer(UpdatePath):
         # weight) when some groups are stale, the step makes several updates, or tokens were drawn
         # from a top-p nucleus (the behaviour logprob is then the renormalised one, not the policy's).
         decoupled = bool(stale_rows.any()) or not one_update or config.top_p < 1.0
+        rows_kept = [r for _, r in kept_groups]
         if fused:
             step_tokens = float(batch.completion_mask.sum())
             updates = [self._objective(logprobs, proximal if decoupled else None, batch, step_tokens, current_version)]
+            del logprobs
+            updates += self._minibatch_updates(batch, proximal, rows_kept, current_version, decoupled=decoupled,
+                                               first_done=True)
         else:
             del logprobs
-            updates = self._minibatch_updates(batch, proximal, [r for _, r in kept_groups], current_version,
-                                              decoupled=decoupled)
+            updates = self._minibatch_updates(batch, proximal, rows_kept, current_version, decoupled=decoupled)
         trained = [g for g, _ in kept_groups]
         rewards = torch.tensor([r for g in trained for r in g.rewards])
         return {

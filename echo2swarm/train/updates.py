@@ -2,8 +2,8 @@
 
     batch, proximal logprobs (trainer.py's first forward), kept groups
       ─► `train.max_offpolicy_gap`: groups too far off-policy leave the step
-      ─► one fused update (the proximal forward's own loss), or `ppo_epochs` passes over the kept
-         groups shuffled into `minibatches` minibatches
+      ─► `ppo_epochs` passes over the kept groups shuffled into `minibatches` minibatches; with one
+         minibatch, the first pass is the proximal forward's own loss (no forward of its own)
       ─► each minibatch's gradient accumulated over micro-batches (`train.micro_batch_sequences`),
          shared out across ranks under torchrun (train/distributed.py)
       ─► clip and AdamW step, skipped when the loss or the gradient norm is not finite
@@ -72,7 +72,8 @@ class UpdatePath:
 
     def _objective(self, logprobs: torch.Tensor, proximal: torch.Tensor | None, batch: Batch,
                    step_tokens: float, current_version: int) -> dict[str, float]:
-        """Loss of the step's one update (the whole batch) and the optimizer update it makes; returns its stats."""
+        """Loss of an update on the whole batch from a forward already made (the proximal one), and the
+        optimizer update it makes; returns its stats."""
         ref = None
         if self.reference is not None:
             with torch.no_grad():
@@ -84,16 +85,23 @@ class UpdatePath:
         return {**stats, **self._update(loss, current_version)}
 
     def _minibatch_updates(self, batch: Batch, proximal: torch.Tensor, rows: list[range],
-                           current_version: int, *, decoupled: bool = True) -> list[dict[str, float]]:
+                           current_version: int, *, decoupled: bool = True,
+                           first_done: bool = False) -> list[dict[str, float]]:
         """`ppo_epochs` passes, each over the kept groups shuffled into `minibatches` minibatches
-        (clipped against ``proximal`` when ``decoupled``, else against the behaviour policy)."""
+        (clipped against ``proximal`` when ``decoupled``, else against the behaviour policy).
+        ``first_done``: the first pass was one whole-batch update made from the proximal forward
+        (trainer.py's `step`); the others follow."""
         config = self.config
         step_tokens = float(batch.completion_mask.sum())
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + current_version)
         parts = min(config.minibatches, len(rows))
+        if first_done and parts != 1:
+            raise ValueError(f"a whole-batch first update leaves no minibatches of its pass, got {parts}")
         out = []
-        for _ in range(config.ppo_epochs):
+        for epoch in range(config.ppo_epochs):
             order = torch.randperm(len(rows), generator=generator)
+            if first_done and epoch == 0:
+                continue
             for chunk in torch.tensor_split(order, parts):
                 index = torch.tensor([i for g in chunk.tolist() for i in rows[g]], dtype=torch.long,
                                      device=self.device)

@@ -120,3 +120,38 @@ def test_the_policy_forwards_have_no_dropout(tiny_model_dir: Path, tmp_path: Pat
     objective = token_logprobs(trainer.model, *args)
     torch.testing.assert_close(proximal, expected)
     torch.testing.assert_close(objective.detach(), expected)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("verify", [UNVERIFIED, VerifyConfig()], ids=["unverified", "verified"])
+def test_a_one_minibatch_step_reuses_the_proximal_forward_for_its_first_update(
+    tiny_model_dir: Path, verify: VerifyConfig
+) -> None:
+    # ppo_epochs = 2, minibatches = 1: the proximal forward (with gradient) is the first update's
+    # too, so the step makes two forwards, not three, and ends at the weights the step reaches with
+    # a forward of its own per update (micro-batches switch the reuse off, as they do under torchrun).
+    base = GRPOTrainer(tiny_model_dir, TrainConfig(device="cpu"), verify=UNVERIFIED)
+    groups = with_own_logprobs(base, make_groups(base, n_groups=3, group_size=4))
+
+    def step(**fields) -> tuple[int, dict, dict[str, torch.Tensor]]:
+        config = TrainConfig(device="cpu", ppo_epochs=2, minibatches=1, lr=1e-3, **fields)
+        trainer = GRPOTrainer(tiny_model_dir, config, verify=verify)
+        forwards = []
+        trainer.model.register_forward_hook(lambda *_: forwards.append(1))
+        stats = trainer.step(groups, current_version=1)
+        return len(forwards), stats, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+    reused, reused_stats, reused_weights = step()
+    own, own_stats, own_weights = step(micro_batch_sequences=1000)
+    assert (reused, own) == (2, 3)
+    assert reused_stats["updates"] == own_stats["updates"] == 2
+    assert reused_stats["groups_trained"] == own_stats["groups_trained"] == 3
+    assert reused_stats["loss"] == pytest.approx(own_stats["loss"], rel=1e-5, abs=1e-7)
+    moved = max(float((reused_weights[k] - base.model.state_dict()[k]).abs().max()) for k in reused_weights)
+    assert moved > 1e-4  # the step trained
+    # Equal up to the order of float sums: AdamW normalises each gradient element, so one near zero can
+    # move by a few percent of lr on rounding alone; nearly every element agrees to 1e-6.
+    close = [torch.isclose(w, own_weights[k], rtol=1e-5, atol=1e-6) for k, w in reused_weights.items()]
+    assert sum(int((~c).sum()) for c in close) <= 1e-3 * sum(c.numel() for c in close)
+    for name, weight in reused_weights.items():
+        torch.testing.assert_close(weight, own_weights[name], rtol=1e-5, atol=0.05 * 1e-3)
