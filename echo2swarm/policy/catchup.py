@@ -268,8 +268,9 @@ class BaseOrders:
     Kept up to date off the critical path (`follow`, after each install), in one thread niced to
     ORDERS_NICE where the OS allows (Linux: per thread) so that it yields to the peer's own work:
     after a delta rebuild it advances the orders the rebuild used by the items whose key changed
-    (tensors without such items are ready at once); after a dense install (a keyframe, a new
-    joiner), or for tensors the rebuild had none for, it sorts them. It publishes each tensor's
+    (tensors without such items are ready at once; a tensor where more than
+    orders.ADVANCE_MAX_SHARE of the items did is sorted instead); after a dense install (a keyframe, a
+    new joiner), or for tensors the rebuild had none for, it sorts them. It publishes each tensor's
     order as it completes. `take(version, sha)` stops it and returns the tensors done so far for
     that exact version and manifest (the rebuild sorts the others itself), or None for any other
     base. Memory: 4 bytes per item of the held weights, only when they have at most
@@ -303,13 +304,15 @@ class BaseOrders:
         self._stop = stop
 
         def work() -> None:
-            from echo2swarm.policy.orders import advance, visit_orders
+            from echo2swarm.policy.orders import advance, visit_orders, worth_advancing
 
             with contextlib.suppress(OSError, AttributeError):  # a low priority, for this thread only
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ORDERS_NICE)
             for name, entry in pending.items():
                 if stop.is_set():
                     return
+                if not worth_advancing(entry, moved[name]):  # many items changed key: sorted below
+                    continue
                 if advance(entry, moved[name]):
                     done[name] = entry
                 else:  # not of these bits (a bug): sorted below instead

@@ -16,7 +16,9 @@ keeps it for the version it holds:
 `advance` moves only the items whose key a delta changed (a value crossing a power of two: ~1 in
 64 of the changes at lr 1e-6) from their old class's segment to their new one, so a follower that
 rebuilds version after version never sorts again: one delete and one insert over the order (two
-copies of it) instead of a sort of every item.
+copies of it) instead of a sort of every item. That pays while few items move: past
+`ADVANCE_MAX_SHARE` of a tensor's items (fp32 versions, a large lr) sorting it anew is cheaper, and
+`worth_advancing` says which.
 
 Runs are the implementation's, not the format's: any run length gives the same ranks. Nothing here
 is trusted beyond this process: an order that is wrong can only rebuild tensors whose signed hash
@@ -30,11 +32,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["RUN_ITEMS", "Moved", "TensorOrder", "advance", "key_counts", "run_keys", "visit_orders"]
+__all__ = ["ADVANCE_MAX_SHARE", "RUN_ITEMS", "Moved", "TensorOrder", "advance", "key_counts", "run_keys",
+           "visit_orders", "worth_advancing"]
 
 RUN_ITEMS = 1 << 18  # items one stable sort of keys covers (its arrays stay in cache); no part of the format
 _KEYS = np.arange(256, dtype=np.uint8)  # searched in uint8: no cast of the run's keys
 Moved = tuple[int, np.ndarray, np.ndarray, np.ndarray]  # (run, offsets, old keys, new keys) of items that changed key
+# Above this share of a tensor's items changing key, sorting it anew beats advancing its order: a sort
+# costs ~8 ns an item, an advance ~2 ns an item plus ~0.4 us a moved one (scripts/bench_orders.py).
+ADVANCE_MAX_SHARE = 0.01
 
 
 @dataclass
@@ -105,6 +111,11 @@ def _first_at_least(order: np.ndarray, lo: np.ndarray, hi: np.ndarray, values: n
         below = live & (order[np.minimum(mid, order.size - 1)] < values)
         lo = np.where(below, mid + 1, lo)
         hi = np.where(live & ~below, mid, hi)
+
+
+def worth_advancing(entry: TensorOrder, moved: list[Moved]) -> bool:
+    """Is advancing `entry` by `moved` cheaper than sorting the tensor anew (`ADVANCE_MAX_SHARE`)?"""
+    return sum(offsets.size for _, offsets, _, _ in moved) <= ADVANCE_MAX_SHARE * entry.order.size
 
 
 def advance(entry: TensorOrder, moved: list[Moved]) -> bool:

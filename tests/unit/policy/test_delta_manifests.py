@@ -334,6 +334,41 @@ def test_orders_ahead_rebuild_the_same_bytes_advance_and_wrong_ones_are_dropped(
     assert small._thread is None and small.take(6, linked[6].sha256) is None
 
 
+@pytest.mark.parametrize("share", [0.0, 1.0], ids=["sorted", "advanced"])
+def test_orders_are_advanced_only_while_few_items_changed_key(published, monkeypatch, share: float):
+    """Past orders.ADVANCE_MAX_SHARE of a tensor's items changing key, BaseOrders sorts the tensor anew
+    instead of advancing its order (cheaper then); either way it holds the new version's orders."""
+    from echo2swarm.policy import orders as orders_module
+    from echo2swarm.policy.catchup import BaseOrders, weights_bits
+    from echo2swarm.policy.orders import visit_orders, worth_advancing
+
+    _, chunks, versions, _, _, linked = published
+    m6, m7 = linked[6].manifest, linked[7].manifest
+    assert m7.delta is not None
+    blob = b"".join(chunks.get(c.sha256) for c in m7.delta.file.chunks)
+    ahead = dict(visit_orders({k: v.copy() for k, v in weights_bits(versions.dir(6) / WEIGHTS_FILE).items()}))
+    moved: dict = {}
+    out = versions.dir(6).parent / "rebuilt.safetensors"
+    rebuild(m7, m7.delta, versions.dir(6), m6, blob, out, ahead, moved)
+    out.unlink()
+    assert moved  # the delta moved items of some tensors to other classes
+    monkeypatch.setattr(orders_module, "ADVANCE_MAX_SHARE", share)
+    assert all(worth_advancing(ahead[name], items) == (share == 1.0) for name, items in moved.items())
+    advanced: list[str] = []
+    real_advance = orders_module.advance
+    monkeypatch.setattr(orders_module, "advance", lambda entry, items: advanced.append("x") or real_advance(entry, items))
+    orders = BaseOrders(max_items=10**6)
+    orders.follow(7, linked[7].sha256, m7, versions.dir(7) / WEIGHTS_FILE, ahead, moved)
+    if orders._thread is not None:
+        orders._thread.join(30)
+    held = orders.take(7, linked[7].sha256)
+    fresh = visit_orders({k: v.copy() for k, v in weights_bits(versions.dir(7) / WEIGHTS_FILE).items()})
+    assert held is not None and set(held) == set(fresh)
+    assert all(np.array_equal(held[k].order, fresh[k].order) and np.array_equal(held[k].counts, fresh[k].counts)
+               for k in fresh)
+    assert len(advanced) == (len(moved) if share == 1.0 else 0)
+
+
 def test_linked_manifests_are_checked_against_the_link(published):
     key, _, _, _, _, linked = published
     ref = linked[7].manifest.delta.base  # type: ignore[union-attr]
