@@ -1,7 +1,8 @@
 """The engine in a process of its own: same outputs as in the daemon's process, and a host that
 dies (or whose daemon dies) never leaves the peer stuck or a process behind.
 
-Real child processes: each ProcessEngine start imports torch in a fresh interpreter (~3 s here).
+Real child processes: forked from the session's fork server (`forked_hosts`), as in a local swarm, or
+(the interpreter path's own tests) a fresh interpreter importing torch (~4 s here).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def in_process(model_dir: Path, params: SamplingParams) -> list:
         engine.close()
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_outputs_and_refits_match_the_engine_in_process(model_dirs: dict[str, Path]) -> None:
     engine = ProcessEngine("transformers", model_dirs["seed0"], threads=1)
     try:
@@ -66,6 +68,7 @@ def test_outputs_and_refits_match_the_engine_in_process(model_dirs: dict[str, Pa
 @pytest.fixture(params=["process", "thread"])
 def runner(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterator[ProcessEngine | ThreadRunner]:
     if request.param == "process":
+        request.getfixturevalue("forked_hosts")
         built: ProcessEngine | ThreadRunner = ProcessEngine("transformers", model_dirs["seed0"], version=1, threads=1)
     else:
         built = ThreadRunner(make_engine("transformers", model_dirs["seed0"], threads=1), version=1)
@@ -96,6 +99,7 @@ def test_queued_requests_run_in_order_and_each_batch_says_which_weights_it_ran_o
     assert fine.result(60).groups == second.result().groups
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_pacing_holds_the_engine_for_the_emulated_time(model_dirs: dict[str, Path]) -> None:
     # 12 rollouts at 20 rollouts/s: each batch takes the engine >= 0.6 s, and a queued one waits for it.
     runner = ThreadRunner(make_engine("transformers", model_dirs["seed0"], threads=1), version=1,
@@ -109,6 +113,7 @@ def test_pacing_holds_the_engine_for_the_emulated_time(model_dirs: dict[str, Pat
         runner.close()
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_a_killed_host_fails_the_call_and_the_next_call_restarts_on_the_newest_weights(
     model_dirs: dict[str, Path],
 ) -> None:

@@ -80,6 +80,7 @@ def test_the_versions_in_use_follow_queued_loads_and_their_outcome(tmp_path: Pat
         weights.close()
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_a_killed_engine_process_restarts_on_the_version_it_held_after_newer_ones_arrived(
     tmp_path: Path, model_dirs: dict[str, Path],
 ) -> None:
