@@ -156,24 +156,29 @@ def run_demo(opts: DemoOptions) -> int:
     run_dir = opts.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"[bold]echo2swarm demo[/bold] in {run_dir} (logs: {run_dir}/*/daemon.log)")
-    model_dir = run_dir / "model"
-    if not (model_dir / "config.json").exists():
-        goal = "" if opts.warmup_accuracy is None else f" or {score} {opts.warmup_accuracy:g} on train prompts"
-        with console.status(f"tiny Qwen3-style model: supervised warm-up on {opts.task} (up to {opts.warmup_steps} steps{goal})"):
-            write_tiny_model(model_dir, seed=0, task=opts.task, warmup_steps=opts.warmup_steps,
-                             warmup_accuracy=opts.warmup_accuracy, task_options=DEMO_TASKS[opts.task].options)
-    before = _score(model_dir, opts.task)
-    console.print(f"  model {model_dir}: {score} on held-out {opts.task} prompts [bold]{before:.3f}[/bold]")
-    key_path = run_dir / "learner.key"
-    if not key_path.exists():
-        PolicyKey.generate().save(key_path)
+    # The daemons and their engine hosts fork from one process that imported torch, transformers and
+    # hivemind once (runtime/launcher.py), instead of each importing them again on a laptop's cores.
+    # It imports them while the model is warmed up and scored here.
+    launcher = Launcher().start()
+    try:
+        model_dir = run_dir / "model"
+        if not (model_dir / "config.json").exists():
+            goal = "" if opts.warmup_accuracy is None else f" or {score} {opts.warmup_accuracy:g} on train prompts"
+            with console.status(f"tiny Qwen3-style model: supervised warm-up on {opts.task} (up to {opts.warmup_steps} steps{goal})"):
+                write_tiny_model(model_dir, seed=0, task=opts.task, warmup_steps=opts.warmup_steps,
+                                 warmup_accuracy=opts.warmup_accuracy, task_options=DEMO_TASKS[opts.task].options)
+        before = _score(model_dir, opts.task)
+        console.print(f"  model {model_dir}: {score} on held-out {opts.task} prompts [bold]{before:.3f}[/bold]")
+        key_path = run_dir / "learner.key"
+        if not key_path.exists():
+            PolicyKey.generate().save(key_path)
+    except BaseException:
+        launcher.close()
+        raise
 
     common = loopback_args(opts.swarm)
     daemons: list[DaemonProcess] = []
     started = time.monotonic()
-    # The daemons and their engine hosts fork from one process that imported torch, transformers and
-    # hivemind once (runtime/launcher.py), instead of each importing them again on a laptop's cores.
-    launcher = Launcher().start()
     try:
         boot = DaemonProcess("bootstrap", [*common, "--role", "bootstrap", "--new-swarm"], run_dir / "bootstrap",
                              launcher=launcher)
