@@ -253,7 +253,7 @@ CPU_HEAVY = (
 # than a core) comparing the learner's step rate before and during the attack: each runs alone, one after
 # another on one worker, with only light modules beside it.
 ALONE = (
-    "tests/e2e/test_user_flows.py",             # the demo's 200 steps
+    "tests/e2e/test_user_flows.py",             # the demo's 150 steps
     "tests/hostile/test_sybil_leases.py",
 )
 # The other modules that compare the learner's step rate in a window before an attack and one during it.

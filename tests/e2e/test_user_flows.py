@@ -10,9 +10,12 @@ import pytest
 from helpers.swarm import read_metrics, run_cli
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
-# The demo's steps here: by step 200 the mean reward of the last 20 steps is 0.17 above the first 20's
-# (measured from the session's warm model: +0.07 at step 100, +0.17 at 200, +0.25 at 300).
-DEMO_STEPS = 200
+# The demo's steps here. From the session's warm model the mean reward of 20 steps rises over the first
+# 20's by about +0.08 at step 60, +0.10 at 100, +0.13 at 120, +0.16 at 140, then levels off (+0.13 to
+# +0.16 at 200; two runs, 2026-11-28, docs/benchmarks.md "Test suite duration"): 150 steps, and the last
+# 30 of them (less scattered than 20) against the first 20.
+DEMO_STEPS = 150
+LAST = 30
 
 
 @pytest.mark.slow
@@ -29,8 +32,8 @@ def test_demo_learns(tmp_path: Path, warm_model_dir: Path):
     records = read_metrics(run_dir / "learner" / "run" / "metrics.jsonl")
     assert len(records) == DEMO_STEPS
     first = sum(r["reward_mean"] for r in records[:20]) / 20
-    last = sum(r["reward_mean"] for r in records[-20:]) / 20
-    assert last - first >= 0.1, f"mean reward of the first 20 steps {first:.3f}, of the last 20 {last:.3f}"
+    last = sum(r["reward_mean"] for r in records[-LAST:]) / LAST
+    assert last - first >= 0.1, f"mean reward of the first 20 steps {first:.3f}, of the last {LAST} {last:.3f}"
     png = run_dir / "reward.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every rollout peer contributed, and every trained group was within the staleness window (S=1).

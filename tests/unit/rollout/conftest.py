@@ -35,7 +35,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def forked_hosts(launcher: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """ProcessEngine hosts forked from the session's fork server (runtime/launcher.py), as a local swarm's
     daemons and `echo2swarm demo` start theirs, instead of a new interpreter importing torch each
-    (~4 CPU s a host). The tests that check the interpreter path itself leave this fixture out."""
+    (~4 CPU s a host)."""
     if launcher is not None:  # ECHO2SWARM_TEST_SPAWN=1: every host a new interpreter
         launcher.ready()  # it listens once it has imported torch and the rest
         monkeypatch.setenv(LAUNCHER_ENV, str(launcher.sock_path))

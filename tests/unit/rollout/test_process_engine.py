@@ -2,7 +2,8 @@
 dies (or whose daemon dies) never leaves the peer stuck or a process behind.
 
 Real child processes: forked from the session's fork server (`forked_hosts`), as in a local swarm, or
-(the interpreter path's own tests) a fresh interpreter importing torch (~4 s here).
+a fresh interpreter importing torch (~4 s here), as a daemon started by hand runs its host: the orphaned
+host's test (and tests/e2e/test_two_terminals.py's rollout peer) take that path.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def test_the_host_exits_when_its_daemon_is_killed(model_dirs: dict[str, Path], t
         owner.wait()
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_cpus_pin_the_host_and_are_checked(model_dirs: dict[str, Path]) -> None:
     mine = sorted(os.sched_getaffinity(0))
     engine = ProcessEngine("transformers", model_dirs["seed0"], cpus={mine[-1]})
@@ -176,6 +178,7 @@ def test_cpus_pin_the_host_and_are_checked(model_dirs: dict[str, Path]) -> None:
         check_cpus([])
 
 
+@pytest.mark.usefixtures("forked_hosts")
 def test_a_host_that_cannot_build_its_engine_says_why(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises((ValueError, EngineProcessError), match="cannot build the engine"):
