@@ -29,7 +29,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
-from echo2swarm.models.tiny import MAX_POSITIONS, build_tiny_model
+from echo2swarm.models.tiny import MAX_POSITIONS, write_tiny_model
 from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import token_logprobs
 from echo2swarm.train.trainer import GRPOTrainer
@@ -85,13 +85,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = args.groups * args.group_size
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
-        model_dir = Path(tmp) / "model"
-        model, tokenizer = build_tiny_model(seed=0, hidden_size=args.hidden, num_layers=args.layers,
-                                            num_heads=args.heads)
-        params = model.num_parameters()
-        model.save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-        del model
+        model_dir = write_tiny_model(Path(tmp) / "model", seed=0, hidden_size=args.hidden, num_layers=args.layers,
+                                     num_heads=args.heads)
         base = TrainConfig(device="cpu", ppo_epochs=args.ppo_epochs, minibatches=1, threads=args.threads)
         verify = VerifyConfig(typicality_z=None)
         trainers = {
@@ -99,6 +94,7 @@ def main() -> None:
             "own forward": GRPOTrainer(model_dir, base.model_copy(update={"micro_batch_sequences": rows}),
                                        verify=verify),
         }
+        params = sum(p.numel() for p in trainers["reused"].model.parameters())
         forwards = {name: 0 for name in trainers}
         for name, trainer in trainers.items():
             trainer.model.register_forward_hook(lambda *_, name=name: forwards.__setitem__(name, forwards[name] + 1))

@@ -40,12 +40,19 @@ from echo2swarm.wire.records import PeerCard, RecordError, RosterRecord
 logger = get_logger(__name__)
 MAX_ROSTERS = 4  # rosters read per call: those of the first peers in `prefer` (the publishers it trusts)
 KEYS_PER_GET = 16  # per-peer keys per DHT query: one key bloated past the reply cap spoils only its batch
+READ_TIMEOUTS = 4  # a DHT read gives up after this many overlay.dht_timeout_s (a lookup is a few hops)
 
 Entry = tuple[Any, Any, float]  # (subkey, value, DHT expiration)
 
 
 def dht_time() -> float:
     return time.time()
+
+
+def _retrieve(future: "asyncio.Future[Any]") -> None:
+    """Consume an abandoned read's outcome, so that asyncio never logs it as an exception not retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 class CardReader:
@@ -74,10 +81,24 @@ class CardReader:
         return (await self._get_dicts([key])).get(key, [])
 
     async def _get_dicts(self, keys: list[str]) -> dict[str, list[Entry]]:
-        """Live entries of each dictionary under `keys` (latest values), queried KEYS_PER_GET keys at a time."""
+        """Live entries of each dictionary under `keys` (latest values), queried KEYS_PER_GET keys at a time.
+
+        A read that has not finished within READ_TIMEOUTS x overlay.dht_timeout_s finds nothing (counted
+        `timed_out`): every request of it is bounded by dht_timeout_s, but a request whose cancellation
+        itself never completes (a libp2p call stuck in p2pd) would otherwise hold the reader, a
+        follower's loop included, for good. It is cancelled and left behind, not awaited."""
         batches = [keys[i:i + KEYS_PER_GET] for i in range(0, len(keys), KEYS_PER_GET)]
-        results = await asyncio.gather(*(self.node.get_many(b, sufficient_expiration_time=float("inf"))
-                                         for b in batches))
+        read = asyncio.ensure_future(asyncio.gather(*(self.node.get_many(b, sufficient_expiration_time=float("inf"))
+                                                      for b in batches)))
+        done, _ = await asyncio.wait({read}, timeout=READ_TIMEOUTS * self.config.dht_timeout_s)
+        if not done:
+            read.cancel()
+            read.add_done_callback(_retrieve)  # whenever it ends: its outcome is nobody's
+            self.reads["timed_out"] += 1
+            logger.warning("a DHT read of %d key(s) (%s...) did not finish within %.0f s; treated as finding nothing",
+                           len(keys), keys[0][:48] if keys else "", READ_TIMEOUTS * self.config.dht_timeout_s)
+            return {}
+        results = read.result()
         now = dht_time()
         out: dict[str, list[Entry]] = {}
         for found in results:
