@@ -308,8 +308,8 @@ STATS = Section(
                                 "by direction and RPC.", "rpc"),
            "card_reads": counter("card_reads_total", "Peer card reads: calls, shared (the one dictionary of every "
                                  "card read whole), named (reads of named peers only), own_keys (cards read by "
-                                 "their own keys), timed_out (DHT reads given up after 4 x overlay.dht_timeout_s, "
-                                 "finding nothing).", "kind")},
+                                 "their own keys), timed_out (DHT reads given up after 4 x overlay.dht_timeout_s, or "
+                                 "not begun while 8 such are stuck: finding nothing).", "kind")},
     sections={**LEARNER.sections, **FOLLOWER.sections, "server": SERVER},
     ignore=LEARNER.ignore | FOLLOWER.ignore,
 )

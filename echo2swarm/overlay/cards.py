@@ -41,18 +41,13 @@ logger = get_logger(__name__)
 MAX_ROSTERS = 4  # rosters read per call: those of the first peers in `prefer` (the publishers it trusts)
 KEYS_PER_GET = 16  # per-peer keys per DHT query: one key bloated past the reply cap spoils only its batch
 READ_TIMEOUTS = 4  # a DHT read gives up after this many overlay.dht_timeout_s (a lookup is a few hops)
+MAX_STUCK_READS = 8  # reads given up on and still not ended: past this many no new read begins (memory bound)
 
 Entry = tuple[Any, Any, float]  # (subkey, value, DHT expiration)
 
 
 def dht_time() -> float:
     return time.time()
-
-
-def _retrieve(future: "asyncio.Future[Any]") -> None:
-    """Consume an abandoned read's outcome, so that asyncio never logs it as an exception not retrieved."""
-    if not future.cancelled():
-        future.exception()
 
 
 class CardReader:
@@ -75,8 +70,16 @@ class CardReader:
         self._shared_kept: list[Entry] = []  # while flooded: the shared read's entries that were kept
         self._shared_next = float("-inf")  # while flooded: monotonic time the shared key is read again
         self._flood_logged = float("-inf")
+        self._stuck = 0  # reads given up on (`_get_dicts`) that have not ended yet
 
     # -- DHT ---------------------------------------------------------------------------------------
+    def _ended(self, read: "asyncio.Future[Any]") -> None:
+        """A read given up on ended at last; its outcome, nobody's, is consumed (asyncio would log an
+        exception never retrieved)."""
+        self._stuck -= 1
+        if not read.cancelled():
+            read.exception()
+
     async def get_dict(self, key: str) -> list[Entry]:
         return (await self._get_dicts([key])).get(key, [])
 
@@ -86,14 +89,18 @@ class CardReader:
         A read that has not finished within READ_TIMEOUTS x overlay.dht_timeout_s finds nothing (counted
         `timed_out`): every request of it is bounded by dht_timeout_s, but a request whose cancellation
         itself never completes (a libp2p call stuck in p2pd) would otherwise hold the reader, a
-        follower's loop included, for good. It is cancelled and left behind, not awaited."""
+        follower's loop included, for good. It is cancelled and left behind, not awaited; while
+        MAX_STUCK_READS of those have not ended, a read finds nothing at once (counted `timed_out` too)."""
+        if self._stuck >= MAX_STUCK_READS:
+            self.reads["timed_out"] += 1
+            return {}
         batches = [keys[i:i + KEYS_PER_GET] for i in range(0, len(keys), KEYS_PER_GET)]
-        read = asyncio.ensure_future(asyncio.gather(*(self.node.get_many(b, sufficient_expiration_time=float("inf"))
-                                                      for b in batches)))
+        read = asyncio.gather(*(self.node.get_many(b, sufficient_expiration_time=float("inf")) for b in batches))
         done, _ = await asyncio.wait({read}, timeout=READ_TIMEOUTS * self.config.dht_timeout_s)
         if not done:
             read.cancel()
-            read.add_done_callback(_retrieve)  # whenever it ends: its outcome is nobody's
+            self._stuck += 1
+            read.add_done_callback(self._ended)  # whenever it ends: its outcome is nobody's
             self.reads["timed_out"] += 1
             logger.warning("a DHT read of %d key(s) (%s...) did not finish within %.0f s; treated as finding nothing",
                            len(keys), keys[0][:48] if keys else "", READ_TIMEOUTS * self.config.dht_timeout_s)

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.cards import READ_TIMEOUTS, CardReader
+from echo2swarm.overlay.cards import MAX_STUCK_READS, READ_TIMEOUTS, CardReader
 
 
 class StuckNode:
@@ -39,5 +39,26 @@ def test_a_read_stuck_past_its_cancellation_finds_nothing_in_bounded_time() -> N
         assert reader.reads["timed_out"] == 2 and node.calls == 2
         node.release.set()  # the abandoned lookups end whenever they do; nobody waits for them
         await asyncio.sleep(0)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_stuck_reads_left_behind_are_bounded() -> None:
+    # Past MAX_STUCK_READS reads that have not ended, a read begins no DHT lookup: what is left behind
+    # stays bounded however long p2pd stays stuck; once they end, reads go out again.
+    async def scenario() -> None:
+        config = OverlayConfig(dht_timeout_s=0.01)
+        node = StuckNode()
+        reader = CardReader(config, node, validator=None, work=None)  # type: ignore[arg-type]
+        for _ in range(MAX_STUCK_READS + 3):
+            assert await reader.get_dict("s/head") == []
+        assert node.calls == MAX_STUCK_READS and reader.reads["timed_out"] == MAX_STUCK_READS + 3
+        node.release.set()
+        for _ in range(10):  # the abandoned lookups end, and with them the gathers left behind
+            await asyncio.sleep(0)
+        node.release = asyncio.Event()
+        node.release.set()
+        assert await reader.get_dict("s/head") == [] and node.calls == MAX_STUCK_READS + 1
+        assert reader.reads["timed_out"] == MAX_STUCK_READS + 3  # this one ended in time
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
