@@ -218,10 +218,11 @@ class GRPOTrainer(UpdatePath):
         config = self.config
         batch = self.build_batch(groups)
         rows = self._group_rows(groups)
-        one_update = config.ppo_epochs * min(config.minibatches, len(groups)) == 1
+        parts = min(config.minibatches, len(groups))  # minibatches a pass makes
+        one_update = config.ppo_epochs * parts == 1
         # The first update's forward is the proximal one too when that update takes the whole batch in
         # one forward (one minibatch, one process, no micro-batches).
-        fused = min(config.minibatches, len(groups)) == 1 and self.world == 1 and config.micro_batch_sequences is None
+        fused = parts == 1 and self.world == 1 and config.micro_batch_sequences is None
         with torch.set_grad_enabled(fused):
             scored = completion_logits(self.model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                                        temperature=config.temperature)
