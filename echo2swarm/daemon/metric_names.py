@@ -99,6 +99,9 @@ SERVER = Section(
                                        "past a cap) answered only once the client's last Retry-After was up.")),
         "promoted_connections": _one(counter("server_promoted_connections_total", "HTTP connections past the "
                                              "others' share kept for a working peer whose credential came first.")),
+        "chunks_from_files": _one(counter("server_chunks_from_files_total", "Chunks copied from installed versions' "
+                                          "files to be served: a path this daemon did not fetch (the dense files "
+                                          "it rebuilt from a delta).")),
     },
     prefixes={
         "open_": gauge("server_budget_in_use", "Units of each chunk-server budget in use now "
@@ -132,6 +135,8 @@ FETCH = Section(
         "bytes_fetched": _one(counter("fetch_received_bytes_total", "Verified chunk bytes fetched from other peers.")),
         "chunks_fetched": _one(counter("fetch_chunks_total", "Verified chunks fetched from other peers.")),
         "bad_chunk": _one(counter("fetch_bad_chunks_total", "Chunks that did not match their hash (source banned).")),
+        "source_off_path": _one(counter("fetch_off_path_answers_total", "Of the missing answers, those of sources on "
+                                        "another path of the version (gone around, not asked again that fetch).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
         **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind", "past")},
         **{f"hedges_{outcome}": (HEDGES, outcome) for outcome in ("fired", "won")},

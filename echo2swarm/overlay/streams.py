@@ -86,10 +86,12 @@ class FrameWriter:
         self._writer = writer
         self.header_sent = False
 
-    async def header(self, status: int, size: int = 0, error: str | None = None) -> None:
+    async def header(self, status: int, size: int = 0, error: str | None = None, off_path: bool = False) -> None:
         body: dict[str, Any] = {"status": status, "size": size}
         if error:
             body["error"] = error[:300]
+        if off_path:  # a 404 for a chunk: the server fetches or holds the version by another path
+            body["off_path"] = True
         self._writer.write(_frame(body))
         self.header_sent = True
         await self._writer.drain()

@@ -44,6 +44,7 @@ from echo2swarm.policy.sources import (
     SourceError,
     SourceFault,
     SourceMissing,
+    SourceOffPath,
     SourceUnreachable,
 )
 from echo2swarm.policy.store import Assembly, ChunkHashError, ChunkStore
@@ -54,6 +55,7 @@ from echo2swarm.wire.signing import PublicKey
 
 logger = get_logger(__name__)
 MAX_BAN_RECORDS = 1024  # sources whose bans (and strike counts) a follower remembers at most
+MAX_ANSWERS_SAID = 6  # a failed chunk's error names what its sources answered, the most frequent first
 PARENT_RETRY_S = 0.2  # a plan parent that has not begun the version is asked again after 0.1-0.2 s
 
 
@@ -165,6 +167,10 @@ class ParentPatience:
     held for most of its wait is a parent that is fetching but has not got the chunk in time: the
     fetcher moves on at once, as before.
 
+    A source that answers "off path" (`SourceOffPath`: it fetches or holds this version by another path,
+    e.g. a plan parent following by a delta while this fetch takes the dense files) will not have the
+    chunk: it is neither waited for nor asked again in this fetch (`off_path`).
+
     Counted in `stats`: `parent_not_begun` (answers asked again), `parent_passed_over` (parents given up on).
     """
 
@@ -174,10 +180,11 @@ class ParentPatience:
         self._first: dict[str, float] = {}  # parent -> when it first answered "not held" at once
         self._begun: set[str] = set()
         self._passed: set[str] = set()
+        self._off: set[str] = set()  # sources on another path of this version (`off_path`)
 
     def ask_again(self, name: str, held_s: float, wait: float) -> bool:
         """`name`, asked to hold the request up to `wait` s, answered "not held" after `held_s`: ask it again?"""
-        if name in self._begun or name in self._passed or held_s >= wait / 2:
+        if name in self._begun or name in self._passed or name in self._off or held_s >= wait / 2:
             return False
         now = time.monotonic()
         first = self._first.setdefault(name, now)
@@ -194,6 +201,14 @@ class ParentPatience:
         """`name` served a chunk it was asked to hold for: it is fetching this version."""
         self._begun.add(name)
         self._first.pop(name, None)
+
+    def off_path(self, name: str) -> None:
+        """`name` answered that it fetches or holds this version by another path (a plan parent that follows
+        by a delta while this fetch takes the dense files): never waited for, nor asked again, in this fetch."""
+        self._off.add(name)
+
+    def off(self, name: str) -> bool:
+        return name in self._off
 
 
 class PolicyFetcher:
@@ -341,12 +356,14 @@ class PolicyFetcher:
 
     async def _chunk_round(
         self, ref: ChunkRef, version: int, candidates: list[tuple[ChunkSource, float]], patience: ParentPatience,
-        sink: Assembly | None, publisher: str | None,
+        sink: Assembly | None, publisher: str | None, answers: Counter[str],
     ) -> str:
         """One round over a chunk's route, hedged (`Race`). Returns "done" (stored), "again" (ask the plan
-        parent again shortly: it has not begun the version), "busy" (every source asked was full) or "failed"."""
+        parent again shortly: it has not begun the version), "busy" (a source that may hold the chunk was
+        full: asked again, not a failure) or "failed". Counts in `answers` what each source that did not
+        deliver answered ("<name> <answer>")."""
         what = f"chunk {ref.sha256[:12]} of v{version}"
-        only_busy = True
+        busy = False
         # Banned meanwhile (by another chunk's request): skipped at its turn, unless it is all there is.
         race = Race(candidates, lambda s, wait, p: s.chunk(ref, wait=wait, version=version, progress=p),
                     self.pace.delay_s(ref.size), skip=lambda n, s: n > 0 and self.bans.banned(s.name), stats=self.stats)
@@ -357,22 +374,27 @@ class PolicyFetcher:
                     data = request.task.result()
                 except SourceBusy:
                     self.stats["source_busy"] += 1
+                    answers[f"{source.name} busy"] += 1
+                    busy = True
                     continue
                 except SourceUnreachable as e:
                     self.stats["source_unreachable"] += 1
-                    only_busy = False
+                    answers[f"{source.name} unreachable"] += 1
                     self._fault(source, "unreachable", str(e), publisher)
                     continue
-                except SourceMissing:
+                except SourceMissing as e:
                     self.stats["source_missing"] += 1
-                    if request.index == 0 and wait > 0 and patience.ask_again(source.name, request.ended - request.asked,
-                                                                               wait):
+                    if isinstance(e, SourceOffPath):  # it fetches or holds the version by another path
+                        self.stats["source_off_path"] += 1
+                        patience.off_path(source.name)
+                    elif request.index == 0 and wait > 0 and patience.ask_again(source.name,
+                                                                                 request.ended - request.asked, wait):
                         return "again"
-                    only_busy = False
+                    answers[f"{source.name} {'off path' if isinstance(e, SourceOffPath) else 'not held'}"] += 1
                     continue
                 except SourceError as e:
                     self.stats["source_error"] += 1
-                    only_busy = False
+                    answers[f"{source.name} {getattr(e, 'reason', 'error')}"] += 1
                     if isinstance(e, SourceFault):
                         self.stats[f"source_{e.reason}"] += 1
                         self._fault(source, e.reason, f"{what}: {e}", publisher)
@@ -383,7 +405,7 @@ class PolicyFetcher:
                     await asyncio.to_thread(self._keep, ref.sha256, data, sink)
                 except ChunkHashError:
                     self.stats["bad_chunk"] += 1
-                    only_busy = False
+                    answers[f"{source.name} bad_chunk"] += 1
                     logger.warning("chunk %s of v%d from %s does not match its hash: refused, source banned",
                                    ref.sha256[:12], version, source.name)
                     self._fault(source, "bad_chunk", what, publisher)
@@ -400,7 +422,7 @@ class PolicyFetcher:
                 return "done"
         finally:
             self._cancelled(await race.close())
-        return "busy" if only_busy else "failed"
+        return "busy" if busy else "failed"
 
     async def fetch_chunks(
         self, manifest: Manifest, route: Route, on_chunk: Callable[[str], None] = lambda sha: None,
@@ -420,25 +442,33 @@ class PolicyFetcher:
         patience = ParentPatience(self.config.source_wait_s, self.stats)
 
         async def fetch_one(index: int, ref: ChunkRef) -> None:
-            rounds = 0
+            rounds, busy_rounds, answers = 0, 0, Counter[str]()
             async with slots:
                 deadline = time.monotonic() + self.config.chunk_timeout_s * self.config.attempts_per_chunk
                 while True:
-                    candidates = await self._usable(route(index, ref), publisher, deadline, manifest.version)
-                    outcome = await self._chunk_round(ref, manifest.version, candidates, patience, sink, publisher)
+                    # sources that said they fetch or hold this version by another path: not asked again
+                    candidates = [(s, w) for s, w in route(index, ref) if s.name == publisher or not patience.off(s.name)]
+                    candidates = await self._usable(candidates, publisher, deadline, manifest.version)
+                    outcome = await self._chunk_round(ref, manifest.version, candidates, patience, sink, publisher,
+                                                      answers)
                     if outcome == "done":
                         on_chunk(ref.sha256)
                         return
                     if outcome == "again":
                         await asyncio.sleep(random.uniform(0.5, 1.0) * PARENT_RETRY_S)
                         continue
-                    # Busy sources are not failing, only full: retry them until the deadline.
-                    rounds += 0 if outcome == "busy" else 1
+                    # A busy source is not failing, only full: asked again until the deadline (the others may
+                    # have said "not held": a follower behind the swarm may find its chunks at the learner only).
+                    busy_rounds += outcome == "busy"
+                    rounds += outcome == "failed"
                     if rounds >= self.config.attempts_per_chunk or time.monotonic() > deadline:
-                        raise FetchError(
-                            f"chunk {ref.sha256[:12]} of v{manifest.version} failed {rounds} rounds over its sources"
-                        )
-                    await asyncio.sleep(random.uniform(0.05, 0.25) * (1 + rounds))
+                        said = ", ".join(f"{what} x{n}" for what, n in answers.most_common(MAX_ANSWERS_SAID))
+                        raise FetchError(f"chunk {ref.sha256[:12]} of v{manifest.version} failed {rounds} rounds "
+                                         f"({busy_rounds} busy) over its sources ({said or 'none asked'})")
+                    if outcome == "busy":
+                        await asyncio.sleep(busy_pause_s(busy_rounds))
+                    else:
+                        await asyncio.sleep(random.uniform(0.05, 0.25) * (1 + rounds))
 
         # gather, not a TaskGroup: callers get the FetchError itself rather than an ExceptionGroup.
         tasks = [asyncio.create_task(fetch_one(i, ref)) for i, ref in missing]

@@ -17,7 +17,7 @@ from echo2swarm.config.models import FetchConfig
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import MAX_VERSION
 from echo2swarm.overlay.streams import FrameWriter, Handler, StreamError, open_frames, serve_frames, stream_name
-from echo2swarm.policy.sources import Progress, SourceBusy, SourceError, SourceMissing, SourceUnreachable
+from echo2swarm.policy.sources import Progress, SourceBusy, SourceError, SourceMissing, SourceOffPath, SourceUnreachable
 from echo2swarm.policy.manifest import ChunkRef
 from echo2swarm.policy.budgets import Refused
 from echo2swarm.policy.server import ChunkService
@@ -81,7 +81,10 @@ def p2p_handler(service: ChunkService, served_to: ServedTo | None = None) -> Han
             version = _version(request) if request.get("version") is not None else None
             f = await service.open_chunk(sha, float(wait), version, client)
             if f is None:
-                await out.header(404, error="chunk not held")
+                if service.off_path(sha, version):
+                    await out.header(404, error="chunk not on this peer's path of the version", off_path=True)
+                else:
+                    await out.header(404, error="chunk not held")
                 return
             with f:
                 with service.upload_slot(client):
@@ -149,7 +152,8 @@ class P2PSource:
                 if status in (429, 503):  # refused for now: this peer's share, or the server, is full
                     raise SourceBusy(f"{self.name}: busy ({status}): {str(head.get('error', ''))[:100]}")
                 if status == 404:
-                    raise SourceMissing(f"{self.name}: {str(head.get('error', 'not held'))[:100]}")
+                    missing = SourceOffPath if head.get("off_path") is True else SourceMissing
+                    raise missing(f"{self.name}: {str(head.get('error', 'not held'))[:100]}")
                 if status != 200:
                     raise SourceError(f"{self.name}: status {status}: {str(head.get('error', ''))[:100]}")
                 if size > max_bytes:
@@ -182,7 +186,7 @@ class P2PSource:
     async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
                     progress: Progress | None = None) -> bytes:
         request: dict[str, object] = {"op": "chunk", "sha256": ref.sha256}
-        if wait > 0 and version is not None:
+        if version is not None:  # the version the chunk is of: a holder on another path of it says so
             request.update(wait=float(wait), version=version)
         data = await self._get(request, min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait,
                                progress)

@@ -59,6 +59,7 @@ from echo2swarm.policy.head_watch import HeadWatch
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.peer_auth import HEADER, CredentialCheck, CredentialRefused
 from echo2swarm.policy.pipeline import InFlight
+from echo2swarm.policy.sources import OFF_PATH_HEADER
 from echo2swarm.policy.store import ChunkStore, VersionStore
 from echo2swarm.policy.uplink import UplinkMeter
 from echo2swarm.policy.working import WorkingPeers
@@ -189,10 +190,28 @@ class ChunkService:
             with self.hold(self.waiting, client):
                 self.stats["waited"] += 1
                 await self.inflight.wait(sha256, wait)
+        # A chunk of a path this peer did not fetch, whose bytes its installed files hold (the dense weights
+        # it rebuilt from a delta): copied from them, checked against its hash, and served like any other.
+        if not self.chunks.has(sha256) and self.versions.chunk_places(sha256) \
+                and await asyncio.to_thread(self.versions.copy_chunk, sha256, self.chunks):
+            self.stats["chunks_from_files"] += 1
         try:
             return open(self.chunks.path(sha256), "rb")
         except FileNotFoundError:
             return None
+
+    def off_path(self, sha256: str, version: int | None) -> bool:
+        """Whether this peer, not holding `sha256`, holds or is fetching `version` by a path without it (a
+        delta where the request is for the dense files, or the reverse): it will not hold that chunk, and
+        says so (a 404 "off path"), so a child goes to another source at once instead of asking again."""
+        if version is None or self.chunks.has(sha256):
+            return False
+        inflight = self.inflight
+        if inflight is not None and inflight.expects(sha256):
+            return False
+        if inflight is not None and inflight.signed(version):
+            return True
+        return self.versions.installed(version)
 
     def upload_slot(self, client: str | None = None) -> contextlib.AbstractContextManager[None]:
         """Hold one of the `upload_slots` (and of the client's share) for a transfer: Busy or TooMany when full."""
@@ -526,6 +545,8 @@ class ChunkServer:
         client = self._client(request)
         f = await self.service.open_chunk(sha, wait, version, client)  # Refused: answered by _guard
         if f is None:
+            if self.service.off_path(sha, version):
+                raise web.HTTPNotFound(text="chunk not on this peer's path of the version", headers={OFF_PATH_HEADER: "1"})
             raise web.HTTPNotFound(text="chunk not held")
         with f:
             size = os.fstat(f.fileno()).st_size

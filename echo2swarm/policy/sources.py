@@ -26,6 +26,7 @@ from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 
+OFF_PATH_HEADER = "X-E2S-Off-Path"  # on a 404 for a chunk: "1" when the server is on another path of the version
 CONNECT_TIMEOUT_S = 10.0  # a peer that does not accept a TCP connection within this is unreachable over HTTP
 class SourceError(Exception):
     """A source failed to deliver (network, status, size); another source may still work."""
@@ -37,6 +38,10 @@ class SourceBusy(SourceError):
 
 class SourceMissing(SourceError):
     """The source does not hold what was asked (yet)."""
+
+
+class SourceOffPath(SourceMissing):
+    """The source fetches or holds the version by a path without this chunk: it will not hold it (§7.6)."""
 
 
 class SourceUnreachable(SourceError):
@@ -198,6 +203,8 @@ class HttpSource:
                 if resp.status in (429, 503):  # its budget, or our share of it, is full: try another holder
                     raise SourceBusy(f"{what}: busy ({resp.status})")
                 if resp.status == 404:
+                    if resp.headers.get(OFF_PATH_HEADER) == "1":
+                        raise SourceOffPath(f"{what}: not on its path of the version")
                     raise SourceMissing(f"{what}: not held")
                 if resp.status != 200:
                     raise SourceError(f"{what}: HTTP {resp.status}")
@@ -228,7 +235,8 @@ class HttpSource:
 
     async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
                     progress: Progress | None = None) -> bytes:
-        query = f"?wait={wait:g}&v={version}" if wait > 0 and version is not None else ""
+        # `v` names the version the chunk is of: a holder on another path of it says so (404 off path)
+        query = "" if version is None else f"?wait={wait:g}&v={version}" if wait > 0 else f"?v={version}"
         data = await self._get(
             f"/v1/chunk/{ref.sha256}{query}", min(ref.size, self.config.max_chunk_bytes), self.config.chunk_timeout_s, wait,
             progress,

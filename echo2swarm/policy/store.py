@@ -12,6 +12,10 @@ A version's files are assembled while its chunks arrive (`Assembly`): each chunk
 memory, is written straight to its places in the files, so installing is a rename rather than a
 second read, hash and copy of the whole model. Every byte of an installed file was checked
 against its chunk's hash in the signed manifest just before it was written.
+
+A version installed through a delta has the bytes of its dense files too (the rebuilt weights
+are the learner's file byte for byte): `VersionStore.copy_chunk` stores such a chunk from the
+files when someone asks for it, after hashing it, so every holder serves every path.
 """
 
 from __future__ import annotations
@@ -107,6 +111,9 @@ class VersionStore:
         # Called with the version after each install (from the installing thread): the chunk server's
         # head long-polls wake on it (policy/server.HeadWatch). A listener must be quick and not raise.
         self.listeners: list[Callable[[int], None]] = []
+        # version -> {chunk sha256: (file, offset, size)} of its listed files (`copy_chunk`), built when asked
+        self._places: dict[int, dict[str, tuple[str, int, int]]] = {}
+        self._places_lock = threading.Lock()
 
     def dir(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -163,6 +170,8 @@ class VersionStore:
             raise
         # The manifest goes last: a version counts as installed only once it is there.
         atomic_write(self.manifest_path(version), envelope)
+        with self._places_lock:
+            self._places.pop(version, None)
         for listener in list(self.listeners):
             try:
                 listener(version)
@@ -189,6 +198,40 @@ class VersionStore:
     def remove(self, version: int) -> None:
         self.manifest_path(version).unlink(missing_ok=True)
         shutil.rmtree(self.dir(version), ignore_errors=True)
+        with self._places_lock:
+            self._places.pop(version, None)
+
+    def chunk_places(self, sha256: str) -> list[tuple[int, str, int, int]]:
+        """Where installed versions' listed files hold chunk `sha256`: (version, file, offset, size)."""
+        held = set(self.versions())
+        with self._places_lock:
+            for version in self._places.keys() - held:
+                del self._places[version]
+            for version in held - self._places.keys():
+                manifest, places = self.manifest(version), {}
+                for entry in manifest.files if manifest is not None else []:
+                    offset = 0
+                    for ref in entry.chunks:
+                        places.setdefault(ref.sha256, (entry.name, offset, ref.size))
+                        offset += ref.size
+                self._places[version] = places
+            return [(v, *where[sha256]) for v, where in self._places.items() if sha256 in where]
+
+    def copy_chunk(self, sha256: str, chunks: ChunkStore) -> bool:
+        """Store chunk `sha256` read from an installed version's files where its manifest lists it: a chunk
+        of a path this peer did not fetch (the dense weights it rebuilt from a delta are those bytes), so
+        it can be served onward. Kept only if the bytes hash to `sha256`. True: stored."""
+        for version, name, offset, size in self.chunk_places(sha256):
+            try:
+                with open(self.dir(version) / name, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(size)
+            except OSError:  # garbage-collected meanwhile
+                continue
+            if hashlib.sha256(data).hexdigest() == sha256:
+                chunks.put(sha256, data)
+                return True
+        return False
 
     def clean_temporaries(self) -> None:
         for entry in self.root.iterdir():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 from pathlib import Path
 
 import aiohttp
@@ -13,8 +14,8 @@ from aiohttp import web
 from echo2swarm.config.models import ChunkServerConfig, FetchConfig
 from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
-from echo2swarm.policy.sources import HttpSource, rotating
-from echo2swarm.policy.manifest import ManifestError
+from echo2swarm.policy.sources import HttpSource, SourceMissing, SourceOffPath, rotating
+from echo2swarm.policy.manifest import ChunkRef, ManifestError
 from echo2swarm.policy.server import ChunkServer, ChunkService
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.policy.store import ChunkStore, VersionStore
@@ -150,3 +151,54 @@ def test_served_chunks_are_the_verified_bytes(tmp_path: Path, published):
             await server.stop()
 
     assert asyncio.run(scenario()) > 1
+
+
+def test_a_holder_serves_chunks_of_files_it_rebuilt_and_says_off_path_for_the_rest(tmp_path: Path, published):
+    """A follower that installed a version through a delta holds its dense files but not their chunks:
+    asked for one, it copies the chunk from the files (hashed first) and serves it; a chunk of that
+    version its files do not hold is answered "off path" (it will never hold it), where a version it
+    neither holds nor fetches gets a plain "not held". A file changed on disk serves nothing."""
+    _, _, versions, head = published
+    manifest = versions.manifest(head.version)
+    holder = tmp_path / "holder"
+    shutil.copytree(versions.dir(head.version), VersionStore(holder).dir(head.version))
+    shutil.copy(versions.manifest_path(head.version), VersionStore(holder).manifest_path(head.version))
+    chunks = ChunkStore(holder)  # empty: the files are all it has
+    refs = manifest.chunk_refs()
+    weights = VersionStore(holder).dir(head.version) / "model.safetensors"
+    first = next(f for f in manifest.files if f.name == "model.safetensors").chunks[0]  # at offset 0
+    data = bytearray(weights.read_bytes())
+    data[10] ^= 0xFF  # the safetensors header of the first weights chunk, changed on disk
+    weights.write_bytes(bytes(data))
+
+    async def scenario() -> tuple[dict[str, object], ChunkService]:
+        service = ChunkService(ChunkServerConfig(host="127.0.0.1"), chunks, VersionStore(holder))
+        server = ChunkServer(service)
+        await server.start()
+        answers: dict[str, object] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                source = HttpSource(session, f"http://127.0.0.1:{server.port}", FetchConfig(), name="relay:holder")
+                for ref in refs:
+                    try:
+                        body = await source.chunk(ref, version=head.version)
+                        answers[ref.sha256] = hashlib.sha256(body).hexdigest() == ref.sha256
+                    except SourceMissing as e:
+                        answers[ref.sha256] = type(e)
+                other = ChunkRef(sha256="ab" * 32, size=10)  # a delta's chunk, say: not in its files
+                for version in (head.version, head.version + 1, None):
+                    try:
+                        await source.chunk(other, version=version)
+                    except SourceMissing as e:
+                        answers[f"other v{version}"] = type(e)
+            return answers, service
+        finally:
+            await server.stop()
+
+    answers, service = asyncio.run(scenario())
+    assert answers.pop(first.sha256) is SourceOffPath  # its bytes on disk no longer hash to its name
+    assert answers.pop(f"other v{head.version}") is SourceOffPath
+    assert answers.pop(f"other v{head.version + 1}") is SourceMissing and answers.pop("other vNone") is SourceMissing
+    assert answers == {ref.sha256: True for ref in refs if ref.sha256 != first.sha256}
+    assert service.stats["chunks_from_files"] == len(refs) - 1
+    assert _stored_chunks_are_all_genuine(chunks) == len(refs) - 1

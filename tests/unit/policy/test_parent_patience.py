@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from echo2swarm.config.models import FetchConfig
-from echo2swarm.policy.fetcher import PolicyFetcher
+from echo2swarm.policy.fetcher import FetchError, PolicyFetcher
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
-from echo2swarm.policy.sources import Progress, SourceMissing
+from echo2swarm.policy.sources import Progress, SourceBusy, SourceMissing, SourceOffPath
 from echo2swarm.policy.store import ChunkStore
 from helpers.sources import FakeSource
 
@@ -165,3 +165,67 @@ def test_a_plan_parent_past_the_version_is_not_waited_for() -> None:
     assert not past("refetching")  # fetching this very version
     assert not past("new") and not past("unknown")  # nothing known: waited for, or routed around (parent_unknown)
     assert stats["parent_past"] == 2  # once per (parent, version) in a row, not once per chunk
+
+
+class OffPath(FakeSource):
+    """A plan parent on another path of the version (it follows by a delta, the fetch takes the dense files)."""
+
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
+        self.asked.append(ref.sha256)
+        raise SourceOffPath(f"{self.name}: not on its path of the version")
+
+
+class Busy(FakeSource):
+    """The learner with its upload slots full for its first `busy` answers, then serving."""
+
+    def __init__(self, name: str, data: dict[str, bytes], busy: int):
+        super().__init__(name, data)
+        self.busy = busy
+
+    async def chunk(self, ref: ChunkRef, wait: float = 0.0, version: int | None = None,
+                    progress: Progress | None = None) -> bytes:
+        self.asked.append(ref.sha256)
+        if len(self.asked) <= self.busy:
+            raise SourceBusy(f"{self.name}: busy (503)")
+        return self.data[ref.sha256]
+
+
+def test_a_parent_on_another_path_is_gone_around_at_once_and_not_asked_again(tmp_path: Path):
+    config = FetchConfig(parallel_chunks=1, source_wait_s=10.0)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(5)
+    parent = OffPath("relay:delta", data)
+    learner = Parent("learner:llll", data, begun=True)
+    started = time.monotonic()
+    asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(parent, config.source_wait_s), (learner, 0.0)],
+                                     publisher=learner.name))
+    assert len(parent.asked) == 1 and len(learner.asked) == 5  # no patience spent on it, no second ask
+    assert fetcher.stats["source_off_path"] == 1 and fetcher.stats["parent_not_begun"] == 0
+    assert time.monotonic() - started < config.source_wait_s / 2
+
+
+def test_a_busy_learner_behind_holders_without_the_chunk_is_asked_again_not_failed(tmp_path: Path):
+    """A follower behind the swarm may find its chunks at the learner only: holders answer "not held" and
+    the learner, full for a while, answers busy. Those rounds are busy, not failed: asked again until it
+    serves, past `attempts_per_chunk`."""
+    config = FetchConfig(parallel_chunks=1, attempts_per_chunk=2)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(2)
+    holder = FakeSource("relay:other", data, fault=SourceMissing)
+    learner = Busy("learner:llll", data, busy=3)
+    assert asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(holder, 0.0), (learner, 0.0)],
+                                            publisher=learner.name)) == 2
+    assert fetcher.stats["source_busy"] == 3 and len(holder.asked) == 5
+
+
+def test_a_chunk_that_fails_says_what_its_sources_answered(tmp_path: Path):
+    config = FetchConfig(parallel_chunks=1, attempts_per_chunk=2)
+    fetcher = PolicyFetcher(config, ChunkStore(tmp_path))
+    manifest, data = _version(1)
+    holder = FakeSource("relay:other", data, fault=SourceMissing)
+    learner = FakeSource("learner:llll", data, fault=SourceMissing)
+    with pytest.raises(FetchError, match=r"failed 2 rounds \(0 busy\) over its sources "
+                                         r"\(relay:other not held x2, learner:llll not held x2\)"):
+        asyncio.run(fetcher.fetch_chunks(manifest, lambda i, ref: [(holder, 0.0), (learner, 0.0)],
+                                         publisher=learner.name))
