@@ -15,6 +15,23 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
+class DroppedWaiters(logging.Filter):
+    """asyncio's "Task was destroyed but it is pending!" for a bare `Event.wait()` task, as DEBUG.
+
+    hivemind's DHT traversal (`hivemind/dht/traverse.py`, each worker's `await_finished_task`) starts
+    an `Event.wait()` task per request and drops it unfinished; every DHT read then logs one such
+    ERROR per worker when the task is collected. Harmless (the event is the search's own), and not
+    ours: our waiters are cancelled and awaited (`runtime.aio.wait_any`). Any other task destroyed
+    pending is still an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Task was destroyed but it is pending!") and "coro=<Event.wait()" in message:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def setup_logging(level: str | int = "INFO", *, quiet_libraries: bool = True) -> None:
     """Configure the root logger once; later calls only change the level."""
     global _CONFIGURED
@@ -26,6 +43,7 @@ def setup_logging(level: str | int = "INFO", *, quiet_libraries: bool = True) ->
             logging.Formatter("%(asctime)s.%(msecs)03d %(levelname)-5s %(name)s: %(message)s", "%H:%M:%S")
         )
         root.handlers[:] = [handler]
+        logging.getLogger("asyncio").addFilter(DroppedWaiters())
         _CONFIGURED = True
     if quiet_libraries:
         for name in _NOISY:
