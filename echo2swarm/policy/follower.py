@@ -538,7 +538,7 @@ class PolicyFollower:
     def _route(self, head: HeadRecord, publisher: ChunkSource, index: int, ref: ChunkRef, version: int | None = None,
                planned: bool = True) -> list[tuple[ChunkSource, float]]:
         """Where to get chunk `index` of `version` (default: the head's): plan parent (may wait for it;
-        only on the head version's default path, which the plan's chunk order is), holders (rotated),
+        only on the head version's hops, whatever their path), holders (rotated),
         learner last."""
         if not self.fetch_config.peer_assist:
             return [(publisher, 0.0)]

@@ -167,7 +167,10 @@ class VersionInstaller:
             self.versions.remove(m.version)
         files = m.path_files(delta)
         refs = m.chunk_refs(files)
-        planned = m.version == head.version and (delta is None or delta is m.delta)  # the plan's chunk order
+        # The plan's chains hold for any path of the head version: peers that hold the version before it
+        # take the same one (its delta from there, most of them), and a parent on another path says so
+        # (a 404 "off path") and is gone around at once.
+        planned = m.version == head.version
         self.inflight.begin(m, envelope, {r.sha256 for r in refs if self.chunks.has(r.sha256)}, refs)
         try:
             assembly = await asyncio.to_thread(self.versions.begin, m, files)
