@@ -13,7 +13,7 @@ from echo2swarm.learner.versions import VersionWriter
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.streams import StreamError, open_frames, stream_name
 from echo2swarm.policy.fetcher import PolicyFetcher
-from echo2swarm.policy.sources import SourceMissing, rotating
+from echo2swarm.policy.sources import SourceMissing, SourceOffPath, rotating
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.p2p import P2PSource, serve_p2p
 from echo2swarm.policy.server import ChunkService
@@ -63,8 +63,13 @@ def test_chunks_travel_over_libp2p_verified_and_at_the_upload_limit(tmp_path: Pa
             assert len(connects) <= 3 < n
             for ref in manifest.chunk_refs():
                 assert hashlib.sha256(store.get(ref.sha256)).hexdigest() == ref.sha256
-            with pytest.raises(SourceMissing):
-                await source.chunk(manifest.chunk_refs()[0].model_copy(update={"sha256": "e" * 64}))
+            other = manifest.chunk_refs()[0].model_copy(update={"sha256": "e" * 64})
+            with pytest.raises(SourceMissing) as missing:
+                await source.chunk(other)
+            assert not isinstance(missing.value, SourceOffPath)
+            # of a version it holds, not in its files: it will never hold it, and says so (off path)
+            with pytest.raises(SourceOffPath):
+                await source.chunk(other, version=head.version)
             return manifest.total_bytes, elapsed, dict(service.stats)
         finally:
             await b.stop()
