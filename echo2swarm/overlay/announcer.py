@@ -7,9 +7,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 from echo2swarm.runtime.aio import wait_any
-from echo2swarm.runtime.logging import get_logger
+from echo2swarm.runtime.logging import Recurring, get_logger
 
 logger = get_logger(__name__)
+LATE_REPORT_S = 60.0  # a slow announcer warns once, then once a minute with how often it was slow
 
 
 class Announcer:
@@ -32,6 +33,8 @@ class Announcer:
         self.name = name
         self._wake = asyncio.Event()
         self.announcements = 0
+        self._overran = Recurring(logger, LATE_REPORT_S)
+        self._late = Recurring(logger, LATE_REPORT_S)
 
     def trigger(self) -> None:
         self._wake.set()
@@ -44,12 +47,13 @@ class Announcer:
                 await asyncio.wait_for(self.announce(), self.period)
                 self.announcements += 1
             except asyncio.TimeoutError:
-                logger.warning("announcing %s took longer than the %.1f s period", self.name, self.period)
+                self._overran(f"announcing {self.name} took longer than the {self.period:g} s period")
             except Exception as e:
                 logger.warning("announcing %s failed: %s: %s", self.name, type(e).__name__, e)
             took = time.monotonic() - started
-            if took > 0.5 * self.period:
-                logger.warning("announcing %s is running late (%.1f s of a %.1f s period)", self.name, took, self.period)
+            if took > 0.5 * self.period:  # a loaded machine or a slow DHT: said once, then counted a minute
+                logger.debug("announcing %s took %.2f s of a %g s period", self.name, took, self.period)
+                self._late(f"announcing {self.name} is running late (over half of its {self.period:g} s period)")
             await wait_any(stop, self._wake, timeout=self.period - took)
             gap = self.min_gap - (time.monotonic() - started)
             if gap > 0 and not stop.is_set():  # woken early by a trigger: let more changes pile up
