@@ -131,7 +131,7 @@ class RolloutWorker:
         pending: set[asyncio.Task[None]] = set()
         self._idle_from = (time.perf_counter(), self._told_to_wait_s())
         leaser = asyncio.create_task(self._lease_loop(queue, slots, stop))
-        collector = asyncio.create_task(self._collect(inflight, slots, pending))
+        collector = asyncio.create_task(self._collect(inflight, slots, pending, stop))
         try:
             while not stop.is_set():
                 got = await _get(queue, stop)
@@ -340,8 +340,11 @@ class RolloutWorker:
                       delay)
 
     async def _collect(self, inflight: asyncio.Queue[tuple[str, Lease, asyncio.Future[Any]] | None],
-                       slots: asyncio.Semaphore, pending: set[asyncio.Task[None]]) -> None:
-        """Take the engine's batches in order and submit each in a task of its own."""
+                       slots: asyncio.Semaphore, pending: set[asyncio.Task[None]],
+                       stop: asyncio.Event | None = None) -> None:
+        """Take the engine's batches in order and submit each in a task of its own. A batch the engine
+        loses because the daemon is stopping (`stop` set: it closes the engine) is said at INFO, not
+        counted as an engine failure."""
         from echo2swarm.rollout.engines.runner import EngineProcessError, VersionMismatch
 
         submits = asyncio.Semaphore(self.config.worker.max_pending_submits)
@@ -355,7 +358,10 @@ class RolloutWorker:
                 continue
             except EngineProcessError as e:  # counted; the next lease starts a new engine process
                 self.stats["leases_abandoned"] += 1
-                self._engine_failed(f"generation failed: {e}")
+                if stop is not None and stop.is_set():
+                    logger.info("lease %s dropped: the daemon is stopping (%s)", lease.lease_id, e)
+                else:
+                    self._engine_failed(f"generation failed: {e}")
                 continue
             except ValueError as e:  # a lease this engine cannot serve (e.g. a prompt past max_model_len)
                 self.stats["leases_abandoned"] += 1
