@@ -107,7 +107,10 @@ def test_a_peer_serving_flipped_bytes_is_banned_and_its_chunks_fetched_elsewhere
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
     local_swarm.bootstrap()
-    learner = local_swarm.learner(tiny_model_dir, policy_key, "--chunk-size", CHUNK)
+    # The learner's uplink capped: the late relay's fetch outlasts its first card reads (every
+    # fetch.holders_refresh_s), so its later chunks are routed to the relays too, evil included,
+    # whatever its first read found when the head came.
+    learner = local_swarm.learner(tiny_model_dir, policy_key, "--chunk-size", CHUNK, "--upload-limit", "128KiB")
     local_swarm.ready(learner)
     honest, evil = _relays(local_swarm, policy_key, ["honest", "evil"])
     for relay in (honest, evil):
