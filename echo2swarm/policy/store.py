@@ -111,8 +111,10 @@ class VersionStore:
         # Called with the version after each install (from the installing thread): the chunk server's
         # head long-polls wake on it (policy/server.HeadWatch). A listener must be quick and not raise.
         self.listeners: list[Callable[[int], None]] = []
-        # version -> {chunk sha256: (file, offset, size)} of its listed files (`copy_chunk`), built when asked
+        # version -> {chunk sha256: (file, offset, size)} of its listed files (`copy_chunk`), built when asked;
+        # matched against the installed versions again only when this directory changed (its mtime)
         self._places: dict[int, dict[str, tuple[str, int, int]]] = {}
+        self._places_seen: int | None = None
         self._places_lock = threading.Lock()
 
     def dir(self, version: int) -> Path:
@@ -172,6 +174,7 @@ class VersionStore:
         atomic_write(self.manifest_path(version), envelope)
         with self._places_lock:
             self._places.pop(version, None)
+            self._places_seen = None  # listed again at the next look, whatever the clock's granularity
         for listener in list(self.listeners):
             try:
                 listener(version)
@@ -200,11 +203,19 @@ class VersionStore:
         shutil.rmtree(self.dir(version), ignore_errors=True)
         with self._places_lock:
             self._places.pop(version, None)
+            self._places_seen = None  # listed again at the next look, whatever the clock's granularity
 
     def chunk_places(self, sha256: str) -> list[tuple[int, str, int, int]]:
-        """Where installed versions' listed files hold chunk `sha256`: (version, file, offset, size)."""
-        held = set(self.versions())
+        """Where installed versions' listed files hold chunk `sha256`: (version, file, offset, size).
+
+        Asked of every chunk request this peer cannot answer from its store (a flood of made-up names
+        included): one stat of the versions directory, the listing only when it changed."""
+        changed = self.root.stat().st_mtime_ns
         with self._places_lock:
+            if changed == self._places_seen:
+                return [(v, *where[sha256]) for v, where in self._places.items() if sha256 in where]
+            self._places_seen = changed
+            held = set(self.versions())
             for version in self._places.keys() - held:
                 del self._places[version]
             for version in held - self._places.keys():

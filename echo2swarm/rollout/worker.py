@@ -340,8 +340,7 @@ class RolloutWorker:
                       delay)
 
     async def _collect(self, inflight: asyncio.Queue[tuple[str, Lease, asyncio.Future[Any]] | None],
-                       slots: asyncio.Semaphore, pending: set[asyncio.Task[None]],
-                       stop: asyncio.Event | None = None) -> None:
+                       slots: asyncio.Semaphore, pending: set[asyncio.Task[None]], stop: asyncio.Event) -> None:
         """Take the engine's batches in order and submit each in a task of its own. A batch the engine
         loses because the daemon is stopping (`stop` set: it closes the engine) is said at INFO, not
         counted as an engine failure."""
@@ -358,7 +357,7 @@ class RolloutWorker:
                 continue
             except EngineProcessError as e:  # counted; the next lease starts a new engine process
                 self.stats["leases_abandoned"] += 1
-                if stop is not None and stop.is_set():
+                if stop.is_set():
                     logger.info("lease %s dropped: the daemon is stopping (%s)", lease.lease_id, e)
                 else:
                     self._engine_failed(f"generation failed: {e}")

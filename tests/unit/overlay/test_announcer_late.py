@@ -17,8 +17,8 @@ def test_a_late_announcer_warns_once_not_every_period(caplog: pytest.LogCaptureF
     async def scenario() -> int:
         stop = asyncio.Event()
 
-        async def slow() -> None:  # 60 % of the period, every time
-            await asyncio.sleep(0.03)
+        async def slow() -> None:
+            await asyncio.sleep(0.03)  # the slow announcement itself: 60 % of the period, every time
 
         announcer = Announcer(0.05, slow, name="test card", min_gap=0.0)
         task = asyncio.create_task(announcer.run(stop))
