@@ -18,7 +18,8 @@ def peers_table(view: dict[str, Any]) -> Any:
     heads = ", ".join(f"v{h['version']} by {h['public_key'][8:24]}" for h in view["heads"]) or "none"
     t_bcast = [p["t_bcast_s"] for p in view["peers"] if p.get("t_bcast_s") is not None]
     bcast = f"; T_bcast {t_bcast[0]:.2f}s" if t_bcast else ""
-    table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers; policy head {heads}{bcast}",
+    paged = f" (page {view['page'] + 1} of {view['pages']})" if view.get("pages", 1) > 1 else ""
+    table = Table(title=f"swarm '{view['swarm']}': {len(view['peers'])} peers{paged}; policy head {heads}{bcast}",
                   title_justify="left")
     for column, justify in (("peer", "left"), ("role", "left"), ("price $/h", "right"), ("rollouts/s", "right"),
                             ("version", "right"), ("state", "left"), ("activation", "left"), ("arrival", "right"),
@@ -74,7 +75,10 @@ def _state(peer: dict[str, Any]) -> str:
 @click.option("--watch", is_flag=True, help="Refresh until Ctrl-C.")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes with --watch.")
 @click.option("--timeout", type=float, default=15.0, show_default=True, help="Seconds to reach the swarm.")
-def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
+@click.option("--page", type=click.IntRange(min=1), default=None, metavar="N",
+              help="In a large swarm, page N of its card shards (16 shards, ~2,000 peers a page); the learner is on "
+              "page 1. Default: every peer when they fit one page, else page 1.")
+def peers(initial_peers, swarm, as_json, watch, interval, timeout, page) -> None:
     """List the peers of a swarm: role, price, rollouts/s, version, state, activation, arrival, fetch path,
     reachability, uplink (measured, and the cap set), last seen; under the table, the learner's newest versions (dense or delta, and their bytes).
 
@@ -97,7 +101,7 @@ def peers(initial_peers, swarm, as_json, watch, interval, timeout) -> None:
         fail(f"--initial-peers/--swarm: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     import asyncio
 
-    asyncio.run(_peers(config, as_json, watch, interval))
+    asyncio.run(_peers(config, as_json, watch, interval, None if page is None else page - 1))
 
 
 def _nothing_read(config: Any, view: dict[str, Any]) -> str:
@@ -112,7 +116,16 @@ def _nothing_read(config: Any, view: dict[str, Any]) -> str:
     )
 
 
-async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> None:
+def _page_note(view: dict[str, Any]) -> None:
+    """On stderr: which page of a swarm that spans several this is, and how to see the next."""
+    if view.get("pages", 1) > 1:
+        page = view["page"] + 1
+        more = f"; --page {page + 1} for the next" if page < view["pages"] else ""
+        click.echo(f"note: page {page} of {view['pages']} of the swarm's {2 ** view['card_shard_bits']} card shards"
+                   f"{more}", err=True)
+
+
+async def _peers(config: Any, as_json: bool, watch: bool, interval: float, page: int | None) -> None:
     import asyncio
 
     from rich.console import Console
@@ -127,12 +140,16 @@ async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> No
         fail(str(e))
     try:
         if not watch:
-            view = await census(overlay)
+            try:
+                view = await census(overlay, page)
+            except ValueError as e:
+                fail(f"--page: {e}")
             if not view["peers"]:
                 fail(_nothing_read(config, view))
+            _page_note(view)
             if view.get("cards_left_out"):
                 click.echo(f"note: {view['cards_left_out']} more peer cards in the DHT not shown (at most "
-                           f"{config.max_cards} are read; a flood of cards?)", err=True)
+                           f"{config.max_cards} are read from a card shard; a flood of cards?)", err=True)
             if as_json:
                 click.echo(json.dumps(view["peers"], indent=2))
             else:
@@ -140,11 +157,11 @@ async def _peers(config: Any, as_json: bool, watch: bool, interval: float) -> No
             return
         if as_json:  # one JSON document per line, for piping
             while True:
-                click.echo(json.dumps((await census(overlay))["peers"]), nl=True)
+                click.echo(json.dumps((await census(overlay, page))["peers"]), nl=True)
                 await asyncio.sleep(interval)
         with Live(console=Console(), auto_refresh=False) as live:
             while True:
-                live.update(peers_table(await census(overlay)), refresh=True)
+                live.update(peers_table(await census(overlay, page)), refresh=True)
                 await asyncio.sleep(interval)
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass

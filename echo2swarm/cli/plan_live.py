@@ -42,6 +42,7 @@ async def _read(config: Any, timeout: float) -> tuple[dict[str, Any], list[Any]]
         fail(str(e))
     try:
         heads, _ = await overlay.get_heads()
+        overlay.shards_from(heads)
         publishers = [h.publisher for h in sorted(heads, key=lambda h: -h.version) if h.signature_ok()]
         cards, _ = await overlay.get_cards(prefer=publishers)
     finally:

@@ -93,8 +93,13 @@ class OverlayConfig(StrictModel):
     )
     max_cards: int = Field(
         256, ge=8, le=100_000,
-        description="Most peer cards one read keeps (the DHT may hold any number: new keys are free): peers seen "
-        "doing work first, then those seen before, then the newest.",
+        description="Most peer cards one read keeps from each card shard (new keys are free: a shard may hold any "
+        "number): peers seen doing work first, then those seen before, then the newest (docs/protocol.md §4.1).",
+    )
+    max_card_shard_bits: int = Field(
+        10, ge=0, le=10,
+        description="Learner: the deepest card sharding its heads may ask for (2**N shards of ~128 cards). 0 keeps "
+        "every card under <swarm>/peers, the one key daemons older than card shards read (docs/protocol.md §4.1).",
     )
 
     @field_validator("swarm")

@@ -139,8 +139,11 @@ class Learner:
         logger.info("policy key %s; followers pin it with --trust %s", self.key.public.fingerprint, self.key.public.text)
 
     def head(self) -> HeadRecord | None:
-        """The newest version's head, signed afresh, with where followers reach us as the daemon advertises it."""
-        return self.publisher.head(self.config.overlay.record_ttl_s, self.overlay.chunk_url, self.overlay.maddrs)
+        """The newest version's head, signed afresh, with where followers reach us as the daemon advertises it
+        and the card shard depth our whole reads of the cards call for (overlay/cards.py `ShardDepth`)."""
+        bits = self.overlay.cards.depth.wanted(self.config.overlay.max_card_shard_bits)
+        self.overlay.set_card_shards(bits)
+        return self.publisher.head(self.config.overlay.record_ttl_s, self.overlay.chunk_url, self.overlay.maddrs, bits)
 
     def _head_json(self) -> str | None:
         head = self.head()

@@ -257,12 +257,13 @@ class VersionWriter:
         return published
 
     def sign_head(
-        self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None
+        self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None,
+        card_shard_bits: int = 0,
     ) -> HeadRecord:
         """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it).
 
         It carries where followers reach us (chunk URL, multiaddrs), so no forged card can send
-        followers elsewhere.
+        followers elsewhere, and the swarm's card shard depth (overlay/dht_keys.py).
         """
         now_ms = int(time.time() * 1000)
         return HeadRecord(
@@ -276,4 +277,5 @@ class VersionWriter:
             public_key=self.key.public.text,
             chunk_url=chunk_url,
             maddrs=list(maddrs or [])[:8],
+            card_shard_bits=card_shard_bits,
         ).signed(self.key)

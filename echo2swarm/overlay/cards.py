@@ -1,22 +1,27 @@
 """Bounded reads of the swarm's peer cards: the peers a reader has reason to trust first, by their own keys.
 
-    read(prefer, limit):
-      ┌ the shared key <swarm>/peers: one dictionary in one reply (≤ 4 MiB); while it is flooded,
-      │   read at most once per record_ttl_s, the cards kept from it reused in between
+    read(prefer, limit, whole):
+      ┌ card shards (overlay/dht_keys.py; 2**depth of them, one at depth 0): every one (`whole`: the
+      │   learner), or a sample (our own shard and one other in turn: a follower finding holders), or
+      │   one page of them (`peers`); each in a reply of its own (≤ 4 MiB); a flooded shard is read
+      │   at most once per record_ttl_s, the cards kept from it reused in between
       └ the rosters of the first MAX_ROSTERS peers in `prefer` (<swarm>/roster/<id>, overlay/roster.py)
       ─► named, in this order: `prefer`, peers seen working here, the rosters' peers, peers that asked
          (at most limit/4 of those)
-      ─► each named peer the shared read did not return: read by its own key (<swarm>/card/<id>)
-      ─► named cards first, then the shared read's others: incumbents (returned before), then newest
-      ─► at most `limit` (overlay.max_cards) cards
+      ─► each named peer no shard returned: read by its own key (<swarm>/card/<id>)
+      ─► named cards first, then each shard's others: incumbents (returned before), then newest
+      ─► at most `limit` (overlay.max_cards) cards a shard, its named peers included
+      ─► whole reads: how many cards the shards hold (`ShardDepth`: the depth the learner's head asks for)
 
-    read_named(peers): exactly these peers' cards, by their own keys, and no shared read (a follower
+    read_named(peers): exactly these peers' cards, by their own keys, and no shard read (a follower
       that its broadcast plan places reads its upstream peers so: policy/follower.py)
 
-Anyone can sign cards with fresh keys, so the shared key may hold any number: a reply then carries
-part of it or fails outright (over hivemind's 4 MiB message cap). Nothing a reader needs comes from
-it alone: peers it has evidence for, and the peers on the rosters it trusts, are read by name.
-Ranking happens before parsing, so the cost is bounded by `limit` whatever the DHT returns.
+Anyone can sign cards with fresh keys, so a shard may hold any number: a reply then carries part of
+it or fails outright (over hivemind's 4 MiB message cap). Nothing a reader needs comes from one
+alone: peers it has evidence for, and the peers on the rosters it trusts, are read by name. Ranking
+happens before parsing, so the cost is bounded by `limit` a shard whatever the DHT returns, and the
+learner deepens the shards as the swarm grows, so an honest shard holds ~CARDS_PER_SHARD cards and
+a follower's sample costs the same at 10 peers or 10,000.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.dht_keys import card_key, peers_key, roster_key
+from echo2swarm.overlay.dht_keys import CARDS_PER_SHARD, MAX_SHARD_BITS, card_key, roster_key, shard_key, shard_of
 from echo2swarm.overlay.roster import WorkLog
 from echo2swarm.overlay.validation import SwarmRecordValidator
 from echo2swarm.runtime.logging import get_logger
@@ -42,6 +47,8 @@ MAX_ROSTERS = 4  # rosters read per call: those of the first peers in `prefer` (
 KEYS_PER_GET = 16  # per-peer keys per DHT query: one key bloated past the reply cap spoils only its batch
 READ_TIMEOUTS = 4  # a DHT read gives up after this many overlay.dht_timeout_s (a lookup is a few hops)
 MAX_STUCK_READS = 8  # reads given up on and still not ended: past this many no new read begins (memory bound)
+SHARD_READS_AT_ONCE = 8  # card shards queried at a time by a whole read
+PAGE_SHARDS = 16  # card shards a page of `peers` reads (~2,000 peers at CARDS_PER_SHARD)
 
 Entry = tuple[Any, Any, float]  # (subkey, value, DHT expiration)
 
@@ -50,11 +57,79 @@ def dht_time() -> float:
     return time.time()
 
 
+class ShardDepth:
+    """The swarm's card shard depth as this node knows it (overlay/dht_keys.py), and the one before it for
+    `hold_s` after a change: cards are stored and read at both until all have been re-announced.
+
+    Followers take the depth from the newest trusted head (`set`); the learner chooses it (`wanted`)
+    from what its whole reads found (`observe`): deeper at once when the shards hold more than
+    CARDS_PER_SHARD on average, one level shallower when they held under a quarter of that for 2x
+    `hold_s` (so a swarm that shrinks for a moment, or shards still filling after a change, do not flap).
+
+    >>> depth = ShardDepth(hold_s=30.0)
+    >>> depth.observe([(0, 700)])        # one shard, 700 cards
+    >>> depth.wanted(max_bits=10)
+    3
+    """
+
+    def __init__(self, hold_s: float, clock: Any = time.monotonic):
+        self.hold_s = hold_s
+        self.clock = clock
+        self.bits = 0
+        self.count = 0  # cards the last whole read found (the larger count of the depths it read)
+        self._before: int | None = None
+        self._until = float("-inf")  # clock() until which the depth before is still read and written
+        self._sparse_since: float | None = None
+
+    def set(self, bits: int) -> bool:
+        """Take `bits` as the swarm's depth; True if it changed."""
+        if not 0 <= bits <= MAX_SHARD_BITS or bits == self.bits:
+            return False
+        self._before, self._until, self.bits = self.bits, self.clock() + self.hold_s, bits
+        self._sparse_since = None
+        return True
+
+    def depths(self) -> list[int]:
+        """Where cards go and are looked for now: the depth, then the one before while it is held."""
+        if self._before is not None and self.clock() < self._until:
+            return [self.bits, self._before]
+        return [self.bits]
+
+    def observe(self, sizes: list[tuple[int, int]]) -> None:
+        """A whole read's shards as (depth, cards found); cards move to a new depth as they are re-announced,
+        so the count is the larger sum of the depths read."""
+        sums: dict[int, int] = {}
+        for bits, size in sizes:
+            sums[bits] = sums.get(bits, 0) + size
+        self.count = max(sums.values(), default=0)
+        now = self.clock()
+        if self.count * 4 < CARDS_PER_SHARD << self.bits and len(sums) == 1:
+            self._sparse_since = now if self._sparse_since is None else self._sparse_since
+        else:
+            self._sparse_since = None
+
+    def wanted(self, max_bits: int) -> int:
+        """The depth a head signed now should carry."""
+        target = 0
+        while target < MAX_SHARD_BITS and self.count > CARDS_PER_SHARD << target:
+            target += 1
+        if min(target, max_bits) > self.bits or max_bits < self.bits:
+            return min(target, max_bits)
+        if self.bits > 0 and self._sparse_since is not None and self.clock() - self._sparse_since >= 2 * self.hold_s:
+            return self.bits - 1
+        return self.bits
+
+
 class CardReader:
     """Reads cards for one overlay; remembers what it read (addresses, reachability, incumbents)."""
 
-    def __init__(self, config: OverlayConfig, node: Any, validator: SwarmRecordValidator, work: WorkLog):
+    def __init__(self, config: OverlayConfig, node: Any, validator: SwarmRecordValidator, work: WorkLog,
+                 peer_id: str = ""):
         self.config = config
+        self.work_peer_id = peer_id  # ours: a sample read looks in our own shard first
+        self.depth = ShardDepth(config.record_ttl_s)
+        self.shard_sizes: dict[str, int] = {}  # shard key -> entries its last read returned (at most 2,047 keys)
+        self._turn = -1  # the other shard a sample read looks in, in turn
         self.node = node
         self.validator = validator
         self.work = work
@@ -67,8 +142,8 @@ class CardReader:
         self._recent: OrderedDict[str, float] = OrderedDict()  # peer id -> monotonic time last returned
         self.maddrs: OrderedDict[str, tuple[str, ...]] = OrderedDict()  # peer id -> its newest card's maddrs
         self.reach: OrderedDict[str, str | None] = OrderedDict()  # peer id -> its newest card's reachability
-        self._shared_kept: list[Entry] = []  # while flooded: the shared read's entries that were kept
-        self._shared_next = float("-inf")  # while flooded: monotonic time the shared key is read again
+        self._kept: dict[str, list[Entry]] = {}  # while a shard is flooded: the entries its read kept
+        self._next: dict[str, float] = {}  # while a shard is flooded: monotonic time it is read again
         self._flood_logged = float("-inf")
         self._stuck = 0  # reads given up on (`_get_dicts`) that have not ended yet
 
@@ -138,25 +213,73 @@ class CardReader:
         return None
 
     # -- the read ----------------------------------------------------------------------------------
-    async def read(self, prefer: Collection[str], limit: int) -> tuple[list[PeerCard], int]:
+    def _shards(self, whole: bool, page: int | None = None) -> list[tuple[str, int, int]]:
+        """(key, depth, shard) of the card shards a read looks at now: every shard at every depth in
+        use (`whole`), or this node's own shard at each and one other at the current depth, in turn;
+        with `page` (from 0), only that page's PAGE_SHARDS shards of the current depth."""
+        swarm, own = self.config.swarm, self.work_peer_id
+        if page is not None:
+            bits = self.depth.bits
+            return [(shard_key(swarm, bits, s), bits, s)
+                    for s in range(page * PAGE_SHARDS, min(1 << bits, (page + 1) * PAGE_SHARDS))]
+        out: list[tuple[str, int, int]] = []
+        for bits in self.depth.depths():
+            if whole:
+                out += [(shard_key(swarm, bits, s), bits, s) for s in range(1 << bits)]
+                continue
+            mine = shard_of(own, bits) if own else 0
+            out.append((shard_key(swarm, bits, mine), bits, mine))
+            if bits == self.depth.bits and bits > 0:
+                self._turn = (self._turn + 1) % (1 << bits)
+                other = self._turn if self._turn != mine else (self._turn + 1) % (1 << bits)
+                out.append((shard_key(swarm, bits, other), bits, other))
+        return out
+
+    async def _read_shards(self, keys: list[str]) -> dict[str, list[Entry]]:
+        """Each shard in a query of its own (a shard's reply may be megabytes: one per message), at most
+        SHARD_READS_AT_ONCE at a time."""
+        if len(keys) <= 1:
+            return await self._get_dicts(keys) if keys else {}
+        gate = asyncio.Semaphore(SHARD_READS_AT_ONCE)
+
+        async def one(key: str) -> dict[str, list[Entry]]:
+            async with gate:
+                return await self._get_dicts([key])
+
+        out: dict[str, list[Entry]] = {}
+        for found in await asyncio.gather(*(one(k) for k in keys)):
+            out.update(found)
+        return out
+
+    def pages(self) -> int:
+        """How many pages of PAGE_SHARDS card shards the swarm's cards span at the current depth."""
+        return -(-(1 << self.depth.bits) // PAGE_SHARDS)
+
+    async def read(self, prefer: Collection[str], limit: int, whole: bool = True,
+                   page: int | None = None) -> tuple[list[PeerCard], int]:
+        """`limit`: cards kept per shard, the named peers in it included. `whole`: every shard (the learner);
+        else a sample: this node's shard and one other in turn (a follower finding holders). `page`:
+        one page of shards (`peers` in a large swarm), the named peers with it."""
         swarm = self.config.swarm
         prefer = list(dict.fromkeys(prefer))
         signers = prefer[:MAX_ROSTERS]
-        shared_due = time.monotonic() >= self._shared_next
+        shards = self._shards(whole, page)
+        now = time.monotonic()
+        due = [key for key, _, _ in shards if now >= self._next.get(key, float("-inf"))]
         self.reads["calls"] += 1
-        self.reads["shared"] += shared_due
+        self.reads["shared"] += len(due)
         fresh, found = await asyncio.gather(
-            self.get_dict(peers_key(swarm)) if shared_due else _nothing(),
-            self._get_dicts([roster_key(swarm, p) for p in signers]),
+            self._read_shards(due), self._get_dicts([roster_key(swarm, p) for p in signers]),
         )
-        shared = fresh if shared_due else [e for e in self._shared_kept if e[2] > dht_time()]
+        for key in due:
+            fresh.setdefault(key, [])
         self.rosters = {s: r for s in signers if (r := self._roster(s, found.get(roster_key(swarm, s), []))) is not None}
         on_rosters = [e.peer_id for r in self.rosters.values() for e in r.peers]
         asked = self.work.asked()[: limit // 4]  # identities are free: askers get a share, never the whole room
         named = list(dict.fromkeys([*prefer, *self.work.worked(), *on_rosters, *asked]))[:limit]
 
-        # Named peers: from a fresh shared read if it returned them, else by their own keys.
-        by_subkey = {e[0]: e for e in fresh if isinstance(e[0], str)}
+        # Named peers: from a fresh shard read if it returned them, else by their own keys.
+        by_subkey = {e[0]: e for entries in fresh.values() for e in entries if isinstance(e[0], str)}
         chosen: dict[str, PeerCard] = {}
         bad = 0
         missing = []
@@ -173,9 +296,7 @@ class CardReader:
             chosen.update(own)
         cards = [chosen[p] for p in named if p in chosen]
 
-        # The rest from the shared read: incumbents, then newest `updated_ms` (a date ahead of ours counts as now).
-        others = [e for e in shared if e[0] not in chosen]
-        room = limit - len(cards)
+        # The rest, per shard: incumbents, then newest `updated_ms` (a date ahead of ours counts as now).
         now_ms = int(time.time() * 1000)
 
         def rank(entry: Entry) -> tuple[bool, int]:
@@ -184,32 +305,45 @@ class CardReader:
             updated = min(updated, now_ms) if type(updated) is int else -1
             return (isinstance(subkey, str) and subkey in self._recent, updated if isinstance(subkey, str) else -2)
 
-        # Up to 2x the room is parsed, so a few bad records at the top cannot crowd out good ones.
-        ranked = heapq.nlargest(2 * room, others, key=rank) if len(others) > room else sorted(others, key=rank, reverse=True)
-        kept: set[Any] = set()
-        refused = 0
-        for entry in ranked:
-            if len(cards) >= limit:
-                break
-            try:
-                cards.append(self._card(entry))
-                kept.add(entry[0])
-            except RecordError as e:
-                refused += 1
-                logger.debug("ignoring peer record %s: %s", str(entry[0])[:16], e)
-        left_out = len(others) - len(kept) - refused
+        refused = left_out = total = 0
+        taken: set[Any] = set(chosen)
+        named_in = {bits: Counter(shard_of(p, bits) for p in chosen) for bits in {b for _, b, _ in shards}}
+        for key, bits, shard in shards:
+            entries = fresh[key] if key in fresh else [e for e in self._kept.get(key, []) if e[2] > dht_time()]
+            others = [e for e in entries if e[0] not in taken]
+            room = max(0, limit - named_in[bits][shard])  # the named peers of this shard count in its `limit`
+            # Up to 2x the room is parsed, so a few bad records at the top cannot crowd out good ones.
+            ranked = heapq.nlargest(2 * room, others, key=rank) if len(others) > room else sorted(others, key=rank, reverse=True)
+            kept: set[Any] = set()
+            refused_here = 0
+            for entry in ranked:
+                if len(kept) >= room:
+                    break
+                try:
+                    cards.append(self._card(entry))
+                    kept.add(entry[0])
+                except RecordError as e:
+                    refused_here += 1
+                    logger.debug("ignoring peer record %s: %s", str(entry[0])[:16], e)
+            taken |= kept
+            refused += refused_here
+            left_out += max(0, len(others) - len(kept) - refused_here)
+            if key in fresh:
+                self.shard_sizes[key] = len(entries)
+                # Flooded: more cards than anyone keeps, or none at all though named peers' own keys hold
+                # some of this shard's (a reply over hivemind's message cap fails whole): read again one TTL later.
+                flooded = len(entries) > limit or (not entries and any(shard_of(p, bits) == shard for p in chosen))
+                self._kept[key] = [e for e in entries if e[0] in kept or e[0] in chosen] if flooded else []
+                self._next[key] = time.monotonic() + self.config.record_ttl_s if flooded else float("-inf")
+            total += self.shard_sizes.get(key, 0)
         if left_out > 0:
             self.cards_dropped += left_out
             if time.monotonic() - self._flood_logged >= 60.0:  # once a minute: a flood must not flood the log
                 self._flood_logged = time.monotonic()
-                logger.warning("%d peer cards in the DHT; kept %d (overlay.max_cards), left out %d",
-                               len(others) + len(chosen), len(cards), left_out)
-        if shared_due:
-            # Flooded: more cards than anyone keeps, or none at all though named peers' own keys hold
-            # some (a reply over hivemind's message cap fails whole): read it again one TTL later.
-            flooded = len(fresh) > self.config.max_cards or (not fresh and bool(chosen))
-            self._shared_kept = [e for e in fresh if e[0] in kept or e[0] in chosen] if flooded else []
-            self._shared_next = time.monotonic() + self.config.record_ttl_s if flooded else float("-inf")
+                logger.warning("%d peer cards in %d card shard(s) read; kept %d (overlay.max_cards a shard), left out %d",
+                               total, len(shards), len(cards), left_out)
+        if whole and page is None:
+            self.depth.observe([(bits, self.shard_sizes.get(key, 0)) for key, bits, _ in shards])
         self._remember(cards)
         return cards, bad + refused
 

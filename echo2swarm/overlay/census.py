@@ -10,15 +10,27 @@ from echo2swarm.overlay.node import Overlay
 _ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
 
 
-async def census(overlay: Overlay) -> dict[str, Any]:
+async def census(overlay: Overlay, page: int | None = None) -> dict[str, Any]:
     """Peers and heads. However many cards the DHT holds, the publishers of signed heads (learners) and
     the peers their rosters say they saw working are read first, by their own keys (overlay/cards.py),
-    and listed first within their role; `work` says what each was seen doing."""
+    and listed first within their role; `work` says what each was seen doing.
+
+    `page` (from 0): one page of the swarm's card shards (`pages` says how many; the learners and their
+    rosters' peers come with page 0); None: all of them when they fit one page, else page 0."""
     heads, bad_heads = await overlay.get_heads()
+    overlay.shards_from(heads)
     dropped_before = overlay.cards_dropped
     signed = sorted((h for h in heads if h.signature_ok()), key=lambda h: -h.version)
     publishers = list(dict.fromkeys(h.publisher for h in signed))  # newest version first: its roster is read first
-    cards, bad_cards = await overlay.get_cards(prefer=publishers)
+    pages = overlay.cards.pages()
+    if page is not None and not 0 <= page < pages:
+        raise ValueError(f"page {page + 1} of {pages}: the swarm's cards span {pages} page(s)")
+    if page is None and pages > 1:
+        page = 0
+    if page is None:
+        cards, bad_cards = await overlay.get_cards(prefer=publishers)
+    else:
+        cards, bad_cards = await overlay.get_card_page(page, prefer=publishers if page == 0 else ())
     now_ms = time.time() * 1000
     work: dict[str, set[str]] = {p: {"published"} for p in publishers}
     for roster in overlay.cards.rosters.values():
@@ -68,6 +80,8 @@ async def census(overlay: Overlay) -> dict[str, Any]:
             for h in sorted(heads, key=lambda h: -h.version)
         ],
         "malformed_records": bad_cards + bad_heads,
-        "cards_left_out": overlay.cards_dropped - dropped_before,  # valid cards past overlay.max_cards
+        "cards_left_out": overlay.cards_dropped - dropped_before,  # valid cards past overlay.max_cards (a shard)
+        "card_shard_bits": overlay.cards.depth.bits,  # the swarm's card shards: 2**bits (overlay/dht_keys.py)
+        "page": page, "pages": pages,
         "banned": banned,
     }

@@ -11,11 +11,12 @@ Ed25519 key is generated per start, handed to p2pd through a 0600 temporary file
 dir that is deleted as soon as p2pd has read it: a fresh peer id per start, as before, and no
 key left on disk.
 
-Cards: each announcement stores our card twice, under the swarm's shared key and under a key of
-its own, so a reader can fetch it by name however many cards the shared key holds. Reading is
-bounded whatever the DHT holds (anyone can make keys and sign cards with them): `get_cards`
-(overlay/cards.py) returns at most `max_cards`, the peers the caller names, the peers seen doing
-work here and those on the rosters of the named peers first (overlay/roster.py), by their own keys.
+Cards: each announcement stores our card twice, in its card shard (overlay/dht_keys.py: how many
+shards the learner's head says) and under a key of its own, so a reader can fetch it by name
+however many cards a shard holds. Reading is bounded whatever the DHT holds (anyone can make keys
+and sign cards with them): `get_cards` (overlay/cards.py) returns at most `max_cards` a shard, the
+peers the caller names, the peers seen doing work here and those on the rosters of the named peers
+first (overlay/roster.py), by their own keys.
 What the node keeps for others is bounded per key (overlay/storage.py).
 
 We do not use the forked `hivemind.DHT` wrapper: it crashes on values over 64 KiB and orphans its
@@ -47,7 +48,7 @@ from echo2swarm.config.models import OverlayConfig
 from echo2swarm.overlay import rpc
 from echo2swarm.overlay.addresses import classify, dial_addrs, ip_of
 from echo2swarm.overlay.cards import CardReader
-from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_key
+from echo2swarm.overlay.dht_keys import all_shard_keys, card_key, head_key, roster_key, shard_key, shard_of
 from echo2swarm.overlay.rejoin import RejoinList
 from echo2swarm.overlay.roster import ASKED, WorkLog, signed_roster
 from echo2swarm.overlay.storage import BoundedStorage
@@ -238,7 +239,7 @@ class Overlay:
         self.maddrs: list[str] = []
         # Peers seen doing work here (evidence only), and apart, peers that only asked for work (an RPC we answered)
         self.work = WorkLog(4 * config.max_cards, 3 * config.record_ttl_s)
-        self.cards = CardReader(config, node, validator, self.work)
+        self.cards = CardReader(config, node, validator, self.work, self.peer_id)
         rpc.observe_callers(p2p, lambda peer: self.work.saw(peer, ASKED))
 
     @classmethod
@@ -331,7 +332,7 @@ class Overlay:
                 config.bootstrap_timeout_s,
             )
             # What we keep for others, bounded per dictionary (overlay/storage.py); hivemind has no parameter for it.
-            shared = {DHTID.generate(source=k) for k in (peers_key(config.swarm), head_key(config.swarm))}
+            shared = {DHTID.generate(source=k) for k in [*all_shard_keys(config.swarm), head_key(config.swarm)]}
             node.protocol.storage = BoundedStorage.replacing(node.protocol.storage, shared)
             node.protocol.cache = BoundedStorage.replacing(node.protocol.cache, shared)
         except Exception as e:  # any failure to start must free p2pd before reporting
@@ -413,18 +414,33 @@ class Overlay:
         return [m for m in addrs if m in announced or classify(m) == "circuit" or _is_local(ip_of(m))]
 
     async def store_card(self, card: PeerCard, ttl: float | None = None) -> bool:
-        """Sign `card` (ours) with our libp2p key, alive `ttl` seconds, and store it under the shared key and
-        under its own; True if any DHT node took it."""
+        """Sign `card` (ours) with our libp2p key, alive `ttl` seconds, and store it under a key of its own and
+        in its card shard (at each depth in use: overlay/dht_keys.py); True if any DHT node took it."""
         ttl = ttl or self.config.record_ttl_s
         value = card.signed(self.key, self.config.swarm, ttl).model_dump(mode="json")
         expires, swarm = dht_time() + ttl, self.config.swarm
         own = bool(await self.node.store(card_key(swarm, card.peer_id), value, expires, subkey=card.peer_id))
-        return await self._store_nearby(peers_key(swarm), card.peer_id, value, expires) or own
+        shards = await asyncio.gather(*(self._store_nearby(shard_key(swarm, bits, shard_of(card.peer_id, bits)),
+                                                           card.peer_id, value, expires)
+                                        for bits in self.cards.depth.depths()))
+        return any(shards) or own
+
+    def shards_from(self, heads: Collection[HeadRecord]) -> None:
+        """Take the card shard depth of the newest correctly signed head: for tools that pin no learner key
+        (`peers`, `plan`); a follower takes it from the head it trusts."""
+        signed = [h for h in heads if h.swarm == self.config.swarm and h.signature_ok()]
+        if signed:
+            self.set_card_shards(max(signed, key=lambda h: h.version).card_shard_bits)
+
+    def set_card_shards(self, bits: int) -> None:
+        """The swarm's card shard depth, from the newest trusted head (or the learner's own choice)."""
+        if self.cards.depth.set(bits):
+            logger.info("card shards: depth %d (%d shards)", bits, 1 << bits)
 
     async def _store_nearby(self, key: str, subkey: str, value: dict[str, Any], expires: float) -> bool:
         """Store at the nodes nearest `key` that our routing table knows (and here, if we are one), without
-        the lookup `DHTNode.store` makes first: a lookup reads the key's value, up to megabytes for the
-        shared peers key under a flood, at every announcement of every peer."""
+        the lookup `DHTNode.store` makes first: a lookup reads the key's value, up to megabytes for a
+        card shard under a flood, at every announcement of every peer."""
         node = self.node
         key_id = DHTID.generate(source=key)
         data = MSGPackSerializer.dumps(value)
@@ -451,14 +467,21 @@ class Overlay:
         ))
 
     async def get_cards(
-        self, prefer: Collection[str] = (), limit: int | None = None
+        self, prefer: Collection[str] = (), limit: int | None = None, whole: bool = True
     ) -> tuple[list[PeerCard], int]:
-        """Live, signed peer cards of the swarm (at most `limit`, default max_cards), and how many were refused.
+        """Live, signed peer cards of the swarm, and how many were refused. `whole`: from every card shard
+        (the learner, `peers`), else from a sample of them (our own shard and one other: a follower looking
+        for holders); at most `limit` a shard (default max_cards) besides the peers read by name.
 
         Peers in `prefer` (and on their rosters), then peers seen doing work here, come first, read by
-        their own keys when the shared key did not return them (overlay/cards.py).
+        their own keys when no shard returned them (overlay/cards.py).
         """
-        return await self.cards.read(prefer, self.config.max_cards if limit is None else limit)
+        return await self.cards.read(prefer, self.config.max_cards if limit is None else limit, whole)
+
+    async def get_card_page(self, page: int, prefer: Collection[str] = ()) -> tuple[list[PeerCard], int]:
+        """The cards of one page of card shards (0-based; `cards.pages()` of them), with the peers in `prefer`
+        and the other peers named first on every page."""
+        return await self.cards.read(prefer, self.config.max_cards, page=page)
 
     async def get_named_cards(self, peers: Collection[str]) -> tuple[list[PeerCard], int]:
         """The live, signed cards of exactly these peers, by their own keys (no read of every card)."""

@@ -284,7 +284,7 @@ class ReachabilityTracker:
         self._last_punch_try = now
         if not nat:  # a role that reads no cards (bootstrap): learn the NAT'd peers here
             with contextlib.suppress(Exception):
-                await self.overlay.get_cards()
+                await self.overlay.get_cards(whole=False)
             nat = self.overlay.nat_peers()
         targets = [p for p, state in nat.items() if state == "relayed" and p != self.overlay.peer_id
                    and p not in connected][:HOLEPUNCH_TRIES]
@@ -317,7 +317,7 @@ class ReachabilityTracker:
         targets = self.targets()
         if not targets:  # a bootstrap has no initial peers: learn the public peers from the cards
             with contextlib.suppress(Exception):
-                await self.overlay.get_cards()
+                await self.overlay.get_cards(whole=False)
             targets = self.targets()
         result = await probe(self.overlay, targets, ports, chunk_port, clock=self.clock)
         self.responder = result.responder

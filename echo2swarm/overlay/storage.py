@@ -5,12 +5,13 @@
     rpc_find (any peer)  ─► one reply with the whole dictionary: never over hivemind's message cap
 
 Why: hivemind answers a find with a key's whole dictionary in one message, capped at 4 MiB. A
-dictionary past that (a flood of validly signed cards under the swarm's shared key; junk under one
-peer's own key) fails every such reply whole: the asker waits out its timeout, blacklists this node
-for its other keys too, and hivemind 1.1.12 leaks the unsent reply (~3x its size) here. Bounded,
-the shared keys (`<swarm>/peers`, `<swarm>/head`) keep what came first and renewals of it (a held
-subkey may grow past the bound by RENEWAL_SLACK); a per-peer key holds its one record and little else. Nothing a reader needs depends on the shared key
-alone (overlay/cards.py reads peers it has evidence for by their own keys).
+dictionary past that (a flood of validly signed cards under one card shard; junk under one peer's
+own key) fails every such reply whole: the asker waits out its timeout, blacklists this node for
+its other keys too, and hivemind 1.1.12 leaks the unsent reply (~3x its size) here. Bounded, the
+shared keys (every card shard, overlay/dht_keys.py, and `<swarm>/head`) keep what came first and
+renewals of it (a held subkey may grow past the bound by RENEWAL_SLACK); a per-peer key holds its
+one record and little else. Nothing a reader needs depends on a shard alone (overlay/cards.py reads
+peers it has evidence for by their own keys), and a flood fills only the shards its keys fall in.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Store-time validation of our swarm's DHT records, run by every node for every store and get.
 
 hivemind hands validators the hashed key id, not the key string, so the ids of our swarm's shared
-keys are computed once up front, and a per-peer key (`<swarm>/card/<id>`, `<swarm>/roster/<id>`)
-is recognised by hashing the key its subkey (a peer id) names. Records under our keys must match
-their schema. Peer cards and rosters must be signed by the libp2p key of the peer id they are
-stored under (so only a peer writes its own), be dated within CARD_CLOCK_SKEW_S of our clock and
-not outlive their signed expiry. Head records must be signed by the key their subkey names, so
-nobody can overwrite another signer's head. Dictionary entries under other keys are only
-size-checked; plain values are refused under every key (one would shadow a per-peer dictionary).
+keys (the head; the card shards at every depth, overlay/dht_keys.py) are computed once up front,
+and a per-peer key (`<swarm>/card/<id>`, `<swarm>/roster/<id>`) is recognised by hashing the key
+its subkey (a peer id) names. Records under our keys must match their schema. Peer cards and
+rosters must be signed by the libp2p key of the peer id they are stored under (so only a peer
+writes its own), be dated within CARD_CLOCK_SKEW_S of our clock and not outlive their signed
+expiry; a card shard takes only the cards whose peer ids hash into it (so a flood lands where its
+keys fall, and filling one chosen shard costs ~2**depth key generations a card). Head records
+must be signed by the key their subkey names, so nobody can overwrite another signer's head.
+Dictionary entries under other keys are only size-checked; plain values are refused under every
+key (one would shadow a per-peer dictionary).
 
 hivemind validates every subkey of a dictionary on every get reply, so a reply carrying a flood
 of cards is checked card by card: verdicts on the card bytes are cached (bounded LRU; the verdict
@@ -26,7 +29,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from echo2swarm.overlay.dht_keys import card_key, head_key, peers_key, roster_key
+from echo2swarm.overlay.dht_keys import all_shard_keys, card_key, head_key, roster_key, shard_of
 from echo2swarm.wire.records import (
     HEAD_EXPIRY_SLACK_S,
     MAX_CARD_BYTES,
@@ -57,7 +60,8 @@ class SwarmRecordValidator(RecordValidatorBase):
 
     def __init__(self, swarm: str, cache_size: int = 4096):
         self.swarm = swarm
-        self._peers_id = key_id(peers_key(swarm))
+        # card shards at every depth (overlay/dht_keys.py; depth 0 is <swarm>/peers) -> (depth, shard)
+        self._shards = {key_id(k): where for k, where in all_shard_keys(swarm).items()}
         self._head_id = key_id(head_key(swarm))
         self.refused = 0
         self.reasons: Counter[str] = Counter()
@@ -119,8 +123,8 @@ class SwarmRecordValidator(RecordValidatorBase):
         return roster
 
     def kind(self, record: DHTRecord) -> str | None:
-        """Which of our records `record` is: "peers", "head", "card", "roster", or None (not ours)."""
-        if record.key == self._peers_id:
+        """Which of our records `record` is: "peers" (a card shard), "head", "card", "roster", or None (not ours)."""
+        if record.key in self._shards:
             return "peers"
         if record.key == self._head_id:
             return "head"
@@ -167,6 +171,11 @@ class SwarmRecordValidator(RecordValidatorBase):
                     raise RecordError(f"card of {len(record.value)} bytes exceeds {MAX_CARD_BYTES}", "size")
                 _, (updated_ms, expires_ms) = self._card_times(subkey, value, record.value)
                 check_times(f"card of {subkey[-8:]}", updated_ms, expires_ms, record.expiration_time)
+                if kind == "peers":
+                    bits, shard = self._shards[record.key]
+                    if shard_of(subkey, bits) != shard:  # or one key could gather a flood's cards from any id
+                        raise RecordError(f"card of {subkey[-8:]} in shard {shard} of depth {bits}, not its own "
+                                          f"({shard_of(subkey, bits)})", "shard")
             elif kind == "roster":
                 self.roster(subkey, value).check_times(record.expiration_time)
             else:

@@ -287,6 +287,7 @@ class PolicyFollower:
         head = self.trust.select(heads, self.swarm)
         if head is not None:
             self.publisher = head.publisher
+            self.overlay.set_card_shards(head.card_shard_bits)  # where cards are stored and read (signed by the learner)
         if self.trust.key is not None:
             for other in heads:
                 if other.public_key != self.trust.key.text:
@@ -403,12 +404,13 @@ class PolicyFollower:
     async def _refresh_cards(self) -> None:
         """With a plan that places us: the cards of our upstream peers and the learner, by their own keys,
         a few lookups whatever the swarm's size. Without (no plan, or not in it: a late joiner): the
-        swarm's cards, bounded by overlay.max_cards (overlay/cards.py)."""
+        learner's card and a sample of the swarm's, our own card shard and one other in turn, each
+        bounded by overlay.max_cards (overlay/cards.py)."""
         upstream = self._upstream()
         if upstream is not None:
             cards, _ = await self.overlay.get_named_cards([*upstream, *([self.publisher] if self.publisher else [])])
         else:
-            cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else ())
+            cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else (), whole=False)
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
         self._cards_at = time.monotonic()
 

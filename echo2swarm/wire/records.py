@@ -4,7 +4,7 @@ Both sides speak these: the overlay validates them where they are stored, the po
 and the daemon (peer cards) write them, and the learner and followers read them. They live below
 all of those, so none has to reach into another's package for them.
 
-    PeerCard    a daemon's self-description, under the swarm's peers key, subkey = its peer id;
+    PeerCard    a daemon's self-description, in its card shard and under a key of its own, subkey = its peer id;
                 signed by the libp2p key of that peer id (wire/peer_keys.py), so only the peer
                 itself can write or replace its card
     HeadRecord  the learner's signed pointer to its newest policy version, subkey = its public key;
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator, model_serializer,
+)
 
 from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
 from echo2swarm.wire.reach import HolepunchTransport, Reachability
@@ -35,6 +37,7 @@ MAX_CARD_BYTES = 10 * 1024  # the largest legal card (RSA key, 8 maddrs, 32 held
 CARD_CLOCK_SKEW_S = 30.0
 MAX_SUBKEY_BYTES = 256
 MAX_RECORD_TTL_S = 3600.0
+MAX_CARD_SHARD_BITS = 10  # a swarm's card shards: at most 2**10 (overlay/dht_keys.py)
 MAX_VERSION = 10**12
 
 PeerState = Literal["starting", "syncing", "ready", "stopping"]
@@ -338,6 +341,10 @@ class HeadRecord(_Strict):
     # rest, so a forged card cannot send them elsewhere. Absent from the signed bytes when empty.
     chunk_url: str | None = Field(None, max_length=256, pattern=r"^http://[^/\s]+$")
     maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
+    # The swarm's card shard depth (overlay/dht_keys.py): where every peer stores its card and readers
+    # look for cards. Absent from the signed bytes (and from the record) at 0, so a head of a swarm that
+    # never deepened its shards is the same record daemons before shards existed sign and read.
+    card_shard_bits: int = Field(0, ge=0, le=MAX_CARD_SHARD_BITS)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
 
     def _payload(self) -> bytes:
@@ -347,6 +354,14 @@ class HeadRecord(_Strict):
         if not self.maddrs:
             exclude.add("maddrs")
         return canonical_bytes(self.model_dump(mode="json", exclude=exclude))
+
+    @model_serializer(mode="wrap")
+    def _without_default_shards(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Every dump leaves out `card_shard_bits` at 0: the record daemons without card shards parse."""
+        out = handler(self)
+        if out.get("card_shard_bits") == 0:
+            del out["card_shard_bits"]
+        return out
 
     def signed(self, key: PolicyKey) -> "HeadRecord":
         if key.public.text != self.public_key:
