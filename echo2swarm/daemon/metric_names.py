@@ -311,8 +311,8 @@ STATS = Section(
                                    "RPC (sent_find, served_store, ...).", "rpc"),
            "dht_bytes": counter("dht_bytes_total", "Bytes of those DHT requests and their replies (protobuf sizes), "
                                 "by direction and RPC.", "rpc"),
-           "card_reads": counter("card_reads_total", "Peer card reads: calls, shared (the one dictionary of every "
-                                 "card read whole), named (reads of named peers only), own_keys (cards read by "
+           "card_reads": counter("card_reads_total", "Peer card reads: calls, shared (card shards read), "
+                                 "named (reads of named peers only), own_keys (cards read by "
                                  "their own keys), timed_out (DHT reads given up after 4 x overlay.dht_timeout_s, or "
                                  "not begun while 8 such are stuck: finding nothing).", "kind")},
     sections={**LEARNER.sections, **FOLLOWER.sections, "server": SERVER},

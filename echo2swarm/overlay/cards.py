@@ -48,6 +48,7 @@ KEYS_PER_GET = 16  # per-peer keys per DHT query: one key bloated past the reply
 READ_TIMEOUTS = 4  # a DHT read gives up after this many overlay.dht_timeout_s (a lookup is a few hops)
 MAX_STUCK_READS = 8  # reads given up on and still not ended: past this many no new read begins (memory bound)
 SHARD_READS_AT_ONCE = 8  # card shards queried at a time by a whole read
+FULL_MEMORY_S = 3600.0  # a depth seen over-full is not gone back to for this long (the longest a record lives)
 PAGE_SHARDS = 16  # card shards a page of `peers` reads (~2,000 peers at CARDS_PER_SHARD)
 
 Entry = tuple[Any, Any, float]  # (subkey, value, DHT expiration)
@@ -64,7 +65,9 @@ class ShardDepth:
     Followers take the depth from the newest trusted head (`set`); the learner chooses it (`wanted`)
     from what its whole reads found (`observe`): deeper at once when the shards hold more than
     CARDS_PER_SHARD on average, one level shallower when they held under a quarter of that for 2x
-    `hold_s` (so a swarm that shrinks for a moment, or shards still filling after a change, do not flap).
+    `hold_s` (so a swarm that shrinks for a moment, or shards still filling after a change, do not flap)
+    and that depth was not seen over-full for FULL_MEMORY_S (a flood left in the shallower shards
+    lives until its records expire: going back would meet it again, and go deeper again).
 
     >>> depth = ShardDepth(hold_s=30.0)
     >>> depth.observe([(0, 700)])        # one shard, 700 cards
@@ -80,6 +83,7 @@ class ShardDepth:
         self._before: int | None = None
         self._until = float("-inf")  # clock() until which the depth before is still read and written
         self._sparse_since: float | None = None
+        self._full: dict[int, float] = {}  # depth -> clock() when a whole read last found it over-full
 
     def set(self, bits: int) -> bool:
         """Take `bits` as the swarm's depth; True if it changed."""
@@ -103,6 +107,9 @@ class ShardDepth:
             sums[bits] = sums.get(bits, 0) + size
         self.count = max(sums.values(), default=0)
         now = self.clock()
+        for bits, total in sums.items():
+            if total > CARDS_PER_SHARD << bits:
+                self._full[bits] = now
         if self.count * 4 < CARDS_PER_SHARD << self.bits and len(sums) == 1:
             self._sparse_since = now if self._sparse_since is None else self._sparse_since
         else:
@@ -115,7 +122,9 @@ class ShardDepth:
             target += 1
         if min(target, max_bits) > self.bits or max_bits < self.bits:
             return min(target, max_bits)
-        if self.bits > 0 and self._sparse_since is not None and self.clock() - self._sparse_since >= 2 * self.hold_s:
+        now = self.clock()
+        if self.bits > 0 and self._sparse_since is not None and now - self._sparse_since >= 2 * self.hold_s \
+                and now - self._full.get(self.bits - 1, float("-inf")) >= FULL_MEMORY_S:
             return self.bits - 1
         return self.bits
 

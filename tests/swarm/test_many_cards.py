@@ -25,7 +25,8 @@ from echo2swarm.learner.activation_loop import LearnerActivation
 from echo2swarm.overlay.dht_keys import shard_key, shard_of
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.peer_keys import PeerKey
-from echo2swarm.wire.records import PeerCard
+from echo2swarm.wire.records import HeadRecord, PeerCard
+from echo2swarm.wire.signing import PolicyKey
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 PEERS = 1000
@@ -90,6 +91,20 @@ def test_a_learner_reads_and_plans_over_a_thousand_signed_cards() -> None:
             assert learner.cards.depth.count == PEERS
             sizes = [learner.cards.shard_sizes[shard_key("many", 3, s)] for s in range(8)]
             assert sum(sizes) == PEERS and max(sizes) < 256  # no shard near a reader's bound
+
+            # A daemon takes the depth from the learner's signed head and stores its own card in its shard at
+            # the new depth and, while the old one is held, at the old one (Overlay.store_card).
+            policy = PolicyKey.generate()
+            head = HeadRecord(swarm="many", version=1, manifest_sha256="ab" * 32, manifest_size=1,
+                              publisher=learner.peer_id, published_ms=1, expires_ms=int(time.time() * 1000) + 30_000,
+                              public_key=policy.public.text, card_shard_bits=bits).signed(policy)
+            writer.shards_from([head])
+            assert writer.cards.depth.depths() == [3, 0]
+            assert await writer.store_card(PeerCard(peer_id=writer.peer_id, role="relay", price=0.0, state="ready",
+                                                    software="0.1", updated_ms=int(time.time() * 1000)))
+            for depth in (3, 0):
+                found = await learner.node.get(shard_key("many", depth, shard_of(writer.peer_id, depth)), latest=True)
+                assert found is not None and writer.peer_id in found.value
 
             # A card in a shard its id does not hash into is refused by the learner's node.
             wrong = shard_key("many", 3, shard_of(cards[0][0], 3) ^ 1)

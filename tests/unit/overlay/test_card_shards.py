@@ -119,6 +119,26 @@ def test_the_learner_deepens_at_once_and_shallows_only_after_a_sparse_spell() ->
     assert ShardDepth(30.0).wanted(10) == 0
 
 
+def test_the_learner_does_not_go_back_to_a_depth_it_found_flooded() -> None:
+    """A flood left in the one shard of depth 0 is met again at depth 0: after it moved the honest cards
+    deeper, the learner must not flap back (seen in the card flood test before this rule)."""
+    now = [0.0]
+    depth = ShardDepth(hold_s=4.0, clock=lambda: now[0])
+    depth.observe([(0, 450)])  # the flood's cards, at depth 0
+    assert depth.wanted(10) == 2 and depth.set(2)
+    now[0] = 10.0
+    depth.observe([(2, 1)] * 4)  # honest cards alone at depth 2: sparse
+    now[0] = 20.0
+    assert depth.wanted(10) == 1 and depth.set(1)  # depth 1 was never seen full: one level up
+    for t in range(30, 3600, 10):  # sparse at depth 1 for an hour, the flood still at depth 0
+        now[0] = float(t)
+        depth.observe([(1, 1)] * 2)
+        assert depth.wanted(10) == 1
+    now[0] = 3620.0
+    depth.observe([(1, 1)] * 2)
+    assert depth.wanted(10) == 0  # an hour on: every record of the flood has expired
+
+
 class _ShardNode:
     """A DHT that answers each shard key with the cards whose ids fall in it (as real nodes store them)."""
 
