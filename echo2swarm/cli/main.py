@@ -11,6 +11,7 @@ from echo2swarm.cli.doctor import doctor
 from echo2swarm.cli.artifacts import keygen, tiny_model
 from echo2swarm.cli.peers import peers
 from echo2swarm.cli.plan import plan
+from echo2swarm.cli.simulate import simulate
 
 HELP = """echo2swarm: RL post-training of LLMs on a peer-to-peer swarm of cheap GPUs.
 
@@ -36,6 +37,7 @@ cli.add_command(keygen)
 cli.add_command(tiny_model)
 cli.add_command(demo)
 cli.add_command(doctor)
+cli.add_command(simulate)
 
 
 def main() -> None:

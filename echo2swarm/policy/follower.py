@@ -78,6 +78,18 @@ PARENT_MAX_LAG = 3  # a plan parent whose card is further behind than this is no
 PLAN_UPSTREAM_DEPTH = 3  # cards read a chain: our parent, its parent and theirs (those hold a version before us)
 
 
+def next_refresh_wait(wait: float, refresh_s: float, ttl_s: float, sampling: bool) -> float:
+    """Seconds until a fetch's next read of the cards, `wait` having been the last. A follower no plan
+    places in a sharded swarm (over ~128 peers) reads a sample of the card shards, and each read finds
+    fewer holders it did not know: it waits twice as long each time, up to one record TTL (these reads
+    were most of every node's DHT traffic at 10,000 peers: docs/benchmarks.md, "Simulated swarms").
+
+    >>> [next_refresh_wait(w, 2.0, 30.0, True) for w in (2.0, 16.0, 30.0)], next_refresh_wait(8.0, 2.0, 30.0, False)
+    ([4.0, 30.0, 30.0], 2.0)
+    """
+    return min(2 * wait, max(wait, ttl_s)) if sampling else refresh_s
+
+
 class PolicyFollower:
     def __init__(
         self,
@@ -415,13 +427,15 @@ class PolicyFollower:
         self._cards_at = time.monotonic()
 
     async def _refresh_while_fetching(self, first: bool = False, read: asyncio.Event | None = None) -> None:
-        """Re-read the peer cards every holders_refresh_s while a fetch runs (`first`: at once too). `read`
+        """Re-read the peer cards every holders_refresh_s while a fetch runs (`first`: at once too; a sample of
+        a sharded swarm's cards at twice the interval each time, up to overlay.record_ttl_s). `read`
         is set once the cards are fresh (at once without `first`, else after the first read, failed or not)."""
         if read is not None and not first:
             read.set()
+        wait = self.fetch_config.holders_refresh_s
         while True:
             if not first:
-                await asyncio.sleep(self.fetch_config.holders_refresh_s)
+                await asyncio.sleep(wait)
             try:
                 await self._refresh_cards()
             except Exception as e:  # a DHT hiccup must not abort the fetch
@@ -429,6 +443,9 @@ class PolicyFollower:
             first = False
             if read is not None:
                 read.set()
+            sampling = self._upstream() is None and self.overlay.cards.depth.bits > 0
+            wait = next_refresh_wait(wait, self.fetch_config.holders_refresh_s, self.overlay.config.record_ttl_s,
+                                     sampling)
 
     async def _await_parents(self, plan: BroadcastPlan | None, cards_read: asyncio.Event) -> None:
         """When the plan names a parent of ours whose card we have not read yet, wait (at most

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"policy"},               # signed versions: manifests, chunk store, server, fetcher, follower
     {"tasks"},                # data-plane adapters
     {"models"},               # tiny local models for the demo and tests
-    {"learner", "rollout"},   # the two planes; neither imports the other
+    {"learner", "rollout", "sim"},  # the two planes, neither importing the other; the simulator of both
     {"daemon"},               # supervisor and role services: wires the planes together
     {"cli"},                  # commands
 ]

@@ -1,0 +1,79 @@
+"""A cost model of hivemind's DHT: which nodes hold a key, and the bytes every get and store puts
+through each node (requests and replies, both directions; what overlay/traffic.py counts on a real
+daemon, protobuf framing left out).
+
+    key ─ sha1, first 63 bits ─► the `replicas` nodes nearest by XOR (of 63-bit random node ids)
+    get(reader, key, value bytes)  : `hops` x `alpha` routing finds (LOOKUP_BYTES each way, spread over
+                                     the swarm) + the value from `value_replies` of the key's holders
+    store(writer, key, value bytes): (a lookup first, as `DHTNode.store` makes; none for card shards,
+                                     which `Overlay._store_nearby` stores straight) + the value to
+                                     every holder
+
+Model constants (assumptions; docs/benchmarks.md "Simulated swarms" compares them with measured
+traffic): a lookup takes ceil(log2(N) / 3) hops of `alpha` = 3 parallel finds (hivemind's beam
+search with 20-peer buckets resolves a few bits a hop), and a get's value comes from 3 of the 5
+replicas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+
+LOOKUP_BYTES = 1200  # a find request and its reply of nearest peers (~20 ids and addresses), no value
+
+
+class SimDHT:
+    """`n` DHT nodes; `bytes[i]` is what went through node i, per second of the rates given."""
+
+    def __init__(self, n: int, seed: int = 0, replicas: int = 5, value_replies: int = 3, alpha: int = 3):
+        rng = np.random.default_rng(seed)
+        self.n = n
+        self.ids = rng.integers(0, 2**63, size=n, dtype=np.uint64)
+        self.replicas = min(replicas, n)
+        self.value_replies = min(value_replies, self.replicas)
+        self.alpha = alpha
+        self.hops = max(1, math.ceil(math.log2(max(2, n)) / 3))
+        self.bytes = np.zeros(n)
+        self.spread = 0.0  # routing bytes that land on nodes along lookup paths: spread evenly
+        self._holders: dict[str, np.ndarray] = {}
+
+    def holders(self, key: str) -> np.ndarray:
+        """The nodes nearest `key`, nearest first."""
+        found = self._holders.get(key)
+        if found is None:
+            kid = np.uint64(int.from_bytes(hashlib.sha1(key.encode()).digest()[:8], "big") >> 1)
+            distance = self.ids ^ kid
+            near = np.argpartition(distance, self.replicas - 1)[: self.replicas] if self.replicas < self.n \
+                else np.arange(self.n)
+            found = self._holders[key] = near[np.argsort(distance[near])]
+        return found
+
+    def _lookup(self, who: int | np.ndarray, rate: float | np.ndarray) -> None:
+        routing = self.hops * self.alpha * LOOKUP_BYTES
+        np.add.at(self.bytes, who, rate * routing)
+        self.spread += float(np.sum(rate * routing * np.ones(np.shape(who))))
+
+    def get(self, reader: int | np.ndarray, key: str, value_bytes: float, rate: float | np.ndarray) -> None:
+        """`reader` (one node, or many at per-node `rate`s) gets `key`, a value of `value_bytes`, `rate` times a second."""
+        self._lookup(reader, rate)
+        total = float(np.sum(rate * np.ones(np.shape(reader))))
+        np.add.at(self.bytes, reader, rate * self.value_replies * value_bytes)
+        self.bytes[self.holders(key)[: self.value_replies]] += total * (value_bytes + LOOKUP_BYTES)
+
+    def store(self, writer: int | np.ndarray, key: str, value_bytes: float, rate: float | np.ndarray,
+              lookup: bool = True) -> None:
+        if lookup:
+            self._lookup(writer, rate)
+        total = float(np.sum(rate * np.ones(np.shape(writer))))
+        np.add.at(self.bytes, writer, rate * self.replicas * value_bytes)
+        self.bytes[self.holders(key)] += total * value_bytes
+
+    def per_node(self) -> np.ndarray:
+        """Bytes a second through each node, routing spread in."""
+        return self.bytes + self.spread / self.n
+
+
+__all__ = ["LOOKUP_BYTES", "SimDHT"]
