@@ -26,7 +26,7 @@ def test_help_is_instant_and_imports_no_heavy_modules():
         timings.append(time.monotonic() - started)
         assert result.returncode == 0 and "daemon" in result.stdout
     assert min(timings) < 1.0, f"echo2swarm --help took {min(timings):.2f} s"
-    for command in ("daemon", "peers", "plan", "keygen", "tiny-model", "demo"):
+    for command in ("daemon", "peers", "plan", "simulate", "keygen", "tiny-model", "demo"):
         assert run_cli(command, "--help").returncode == 0
 
 
