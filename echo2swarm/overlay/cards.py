@@ -8,7 +8,8 @@
       └ the rosters of the first MAX_ROSTERS peers in `prefer` (<swarm>/roster/<id>, overlay/roster.py)
       ─► named, in this order: `prefer`, peers seen working here, the rosters' peers, peers that asked
          (at most limit/4 of those)
-      ─► each named peer no shard returned: read by its own key (<swarm>/card/<id>)
+      ─► each named peer no shard returned: read by its own key (<swarm>/card/<id>); in a sample of a
+         sharded swarm only `prefer` and the peers seen working here
       ─► named cards first, then each shard's others: incumbents (returned before), then newest
       ─► at most `limit` (overlay.max_cards) cards a shard, its named peers included
       ─► whole reads: how many cards the shards hold (`ShardDepth`: the depth the learner's head asks for)
@@ -300,6 +301,11 @@ class CardReader:
                 chosen[peer] = self._card(entry)
             except (KeyError, RecordError):
                 missing.append(peer)
+        if missing and not whole and any(bits > 0 for _, bits, _ in shards):
+            # A sample of a sharded swarm: by their own keys only the peers asked for and those seen working
+            # here; a roster's peers (128) or askers outside the sample would cost a lookup each, every read.
+            keep = {*prefer, *self.work.worked()}
+            missing = [p for p in missing if p in keep]
         if missing:
             own, bad = await self._own_cards(missing)
             chosen.update(own)

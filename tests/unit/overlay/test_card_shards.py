@@ -203,3 +203,23 @@ def test_whole_sampled_and_paged_reads() -> None:
     assert node.asked == shard_keys(SWARM, 5)[:PAGE_SHARDS] + shard_keys(SWARM, 5)[PAGE_SHARDS:]
     assert {c.peer_id for c in first} | {c.peer_id for c in second} == set(ids)
     assert not {c.peer_id for c in first} & {c.peer_id for c in second}
+
+
+def test_a_sample_reads_by_their_own_keys_only_the_peers_asked_for_and_seen_working() -> None:
+    shards, ids = _swarm_of(200, 4)
+    node = _ShardNode(shards)
+    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=64)
+    overlay = Overlay(config, _P2P(), node, SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
+    overlay.set_card_shards(4)
+    overlay.cards.depth._until = float("-inf")
+    sampled = {shard_of(overlay.peer_id, 4), 0, 1}  # its own shard, and the first in turn (0, or 1 when 0 is its own)
+    outside = [p for p in ids if shard_of(p, 4) not in sampled]
+    publisher, worker, asker = outside[:3]
+    overlay.saw_work(worker, "served")
+    overlay.work.saw(asker, "asked")
+    asyncio.run(overlay.get_cards(prefer=[publisher], whole=False))
+    own_keys = [k for k in node.asked if "/card/" in k]
+    assert {k.rsplit("/", 1)[1] for k in own_keys} == {publisher, worker}  # never the asker
+    node.asked.clear()
+    asyncio.run(overlay.get_cards(prefer=[publisher]))  # a whole read names the asker too
+    assert not [k for k in node.asked if "/card/" in k]  # ... and found every one of them in the shards
