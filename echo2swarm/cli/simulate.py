@@ -62,14 +62,17 @@ def _designs(ctx: Any, param: Any, value: str) -> list[str]:
               help="Learner seconds of compute per step.")
 @click.option("--l-gen", "l_gen_s", type=click.FloatRange(0, 1e5), default=10.0, show_default=True,
               help="Seconds a peer takes to generate one group.")
+@click.option("--plan-min-uplink-mbps", type=click.FloatRange(0, 1e6), default=0.0, show_default=True,
+              help="What-if, not built: only peers with this uplink or more in the broadcast plan, the others "
+              "fetching from holders as leaves. 0: the plan as the learner makes it.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draw of the peers (same seed, same swarm).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per swarm (a list when several).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=Path("simulate.png"),
               show_default=True, help="Where the plots go (PNG); skipped with --json.")
 def simulate(peer_counts: list[int], designs: list[str], nat_share: float, holepunch_share: float,
              churn_per_hour: float, params: float, dtype_bytes: int, delta_ratio: float, learner_uplink_mbps: float,
-             relay_mbps: float, rollouts_per_step: int, t_train_s: float, l_gen_s: float, seed: int, as_json: bool,
-             plot: Path) -> None:
+             relay_mbps: float, rollouts_per_step: int, t_train_s: float, l_gen_s: float, plan_min_uplink_mbps: float,
+             seed: int, as_json: bool, plot: Path) -> None:
     """Simulate swarms of N rollout peers: time until a version reaches 50/90/99 % of the active peers,
     learner upload in copies, learner busy share, $ a step, and the DHT traffic per node. The links are
     modelled (docs/benchmarks.md, "Simulated swarms"); the shards, broadcast plan, capacity floor and
@@ -91,7 +94,8 @@ def simulate(peer_counts: list[int], designs: list[str], nat_share: float, holep
                     peers=n, design=design, nat_share=nat_share, holepunch_share=holepunch_share,
                     churn_per_hour=churn_per_hour, params=params, dtype_bytes=dtype_bytes, delta_ratio=delta_ratio,
                     learner_uplink_mbps=learner_uplink_mbps, relay_mbps=relay_mbps,
-                    rollouts_per_step=rollouts_per_step, t_train_s=t_train_s, l_gen_s=l_gen_s, seed=seed)))
+                    rollouts_per_step=rollouts_per_step, t_train_s=t_train_s, l_gen_s=l_gen_s,
+                    plan_min_uplink_mbps=plan_min_uplink_mbps, seed=seed)))
             except ValueError as e:
                 fail(str(e))
     if as_json:

@@ -6,7 +6,8 @@
                  arrival = Σ_{j ≤ k} (chunk / r_j + rtt_j) + (stripe bytes − chunk) / min_{j ≤ k} r_j
                  (store and forward a chunk a hop, the rest pipelined behind the slowest hop so far)
     a peer holds the version when the last of its stripes arrives
-    a peer the plan leaves out (past MAX_PLAN_ENTRIES / seeds, or `private`) fetches the whole version
+    a peer the plan leaves out (past MAX_PLAN_ENTRIES / seeds, `private`, or, as a what-if, an uplink under
+                 `plan_min_up_bps`) fetches the whole version
                  from one holder in the plan, picked at random, once that one holds it; a holder's
                  uplink is shared among the peers that picked it
     churn: a parent that leaves during the version (probability churn/h x its arrival) costs each of
@@ -43,11 +44,15 @@ def _nat(peers: list[Peer], rng: random.Random) -> dict[str, NatPeer]:
 
 
 def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_up_bps: float, seeds: int,
-           relay_bps: float, source_wait_s: float, churn_per_hour: float, seed: int = 0) -> Spread:
+           relay_bps: float, source_wait_s: float, churn_per_hour: float, seed: int = 0,
+           plan_min_up_bps: float = 0.0) -> Spread:
+    """`plan_min_up_bps` (a what-if, not built: 0 is the plan as the learner makes it): only peers with at
+    least this uplink are offered to the plan; the others fetch from holders like peers past its cap."""
     rng = random.Random(seed)
     by_id = {p.peer_id: p for p in peers}
     nat = _nat(peers, rng)
-    chains = plan_chains([(p.peer_id, int(p.up_bps)) for p in peers], seeds, nat=nat, proven=set(by_id))
+    receivers = [(p.peer_id, int(p.up_bps)) for p in peers if p.up_bps >= plan_min_up_bps]
+    chains = plan_chains(receivers, seeds, nat=nat, proven=set(by_id))
     stripes = max(1, len(chains))
     stripe_bytes = version_bytes / stripes
     arrival: dict[str, float] = {}

@@ -46,6 +46,7 @@ class Scenario:
     publish_every: int = DEFAULT_PUBLISH_EVERY
     gamma: float = DEFAULT_GAMMA
     source_wait_s: float = 10.0  # fetch.source_wait_s
+    plan_min_uplink_mbps: float = 0.0  # a what-if: only such peers in the plan, the rest leaves (0: as built)
     seed: int = 0
 
     @property
@@ -70,7 +71,8 @@ def simulate(s: Scenario) -> dict[str, Any]:
                                 staleness=s.staleness, publish_every=s.publish_every, gamma=s.gamma, l_gen=s.l_gen_s)
         active = choose_active(workers, inputs.floor()) or workers  # out of reach: every peer works
         version = spread(peers, s.version_bytes, s.chunk_bytes, s.learner_uplink_mbps * MBIT, s.seeds,
-                         s.relay_mbps * MBIT, s.source_wait_s, s.churn_per_hour, s.seed)
+                         s.relay_mbps * MBIT, s.source_wait_s, s.churn_per_hour, s.seed,
+                         s.plan_min_uplink_mbps * MBIT)
         on_active = [version.arrival[w.peer_id] for w in active]
         t_bcast = _quantile(on_active, 0.99)
     inputs = CapacityInputs(rollouts_per_step=s.rollouts_per_step, t_train=s.t_train_s, t_bcast=t_bcast,
@@ -81,7 +83,7 @@ def simulate(s: Scenario) -> dict[str, Any]:
                               version.chains, version.arrival, step_s * s.publish_every,
                               record_sizes(len(active)), s.seed)
     return {
-        "peers": s.peers, "design": s.design,
+        "peers": s.peers, "design": s.design, "plan_min_uplink_mbps": s.plan_min_uplink_mbps,
         "t50_s": round(_quantile(on_active, 0.5), 2), "t90_s": round(_quantile(on_active, 0.9), 2),
         "t99_s": round(t_bcast, 2), "t99_all_s": round(_quantile(list(version.arrival.values()), 0.99), 2),
         "learner_copies": round(version.learner_bytes / s.version_bytes, 3),
