@@ -175,13 +175,19 @@ class _P2P:
         self.id = PeerKey.generate().peer_id
 
 
-def test_whole_sampled_and_paged_reads() -> None:
-    shards, ids = _swarm_of(300, 5)
+def _sharded(n: int, bits: int) -> tuple[Overlay, _ShardNode, dict[str, dict[str, tuple[dict, float]]], list[str]]:
+    """An overlay over `n` cards at depth `bits`, past the hold (that depth alone), max_cards 64."""
+    shards, ids = _swarm_of(n, bits)
     node = _ShardNode(shards)
     config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=64)
     overlay = Overlay(config, _P2P(), node, SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
-    overlay.set_card_shards(5)
-    overlay.cards.depth._until = float("-inf")  # past the hold: depth 5 alone
+    overlay.set_card_shards(bits)
+    overlay.cards.depth._until = float("-inf")
+    return overlay, node, shards, ids
+
+
+def test_whole_sampled_and_paged_reads() -> None:
+    overlay, node, shards, ids = _sharded(300, 5)
 
     cards, bad = asyncio.run(overlay.get_cards())
     assert {c.peer_id for c in cards} == set(ids) and bad == 0  # every card: none left out (≤ 64 a shard)
@@ -206,12 +212,7 @@ def test_whole_sampled_and_paged_reads() -> None:
 
 
 def test_a_sample_reads_by_their_own_keys_only_the_peers_asked_for_and_seen_working() -> None:
-    shards, ids = _swarm_of(200, 4)
-    node = _ShardNode(shards)
-    config = OverlayConfig(swarm=SWARM, new_swarm=True, max_cards=64)
-    overlay = Overlay(config, _P2P(), node, SwarmRecordValidator(SWARM), PeerKey.generate())  # type: ignore[arg-type]
-    overlay.set_card_shards(4)
-    overlay.cards.depth._until = float("-inf")
+    overlay, node, _, ids = _sharded(200, 4)
     sampled = {shard_of(overlay.peer_id, 4), 0, 1}  # its own shard, and the first in turn (0, or 1 when 0 is its own)
     outside = [p for p in ids if shard_of(p, 4) not in sampled]
     publisher, worker, asker = outside[:3]
