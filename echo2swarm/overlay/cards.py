@@ -277,6 +277,7 @@ class CardReader:
         now = time.monotonic()
         due = [key for key, _, _ in shards if now >= self._next.get(key, float("-inf"))]
         self.reads["calls"] += 1
+        timed_out = self.reads["timed_out"]
         self.reads["shared"] += len(due)
         fresh, found = await asyncio.gather(
             self._read_shards(due), self._get_dicts([roster_key(swarm, p) for p in signers]),
@@ -357,8 +358,8 @@ class CardReader:
                 self._flood_logged = time.monotonic()
                 logger.warning("%d peer cards in %d card shard(s) read; kept %d (overlay.max_cards a shard), left out %d",
                                total, len(shards), len(cards), left_out)
-        if whole and page is None:
-            self.depth.observe([(bits, self.shard_sizes.get(key, 0)) for key, bits, _ in shards])
+        if whole and page is None and self.reads["timed_out"] == timed_out:  # a read that found nothing for want
+            self.depth.observe([(bits, self.shard_sizes.get(key, 0)) for key, bits, _ in shards])  # of time is no count
         self._remember(cards)
         return cards, bad + refused
 

@@ -224,3 +224,21 @@ def test_a_sample_reads_by_their_own_keys_only_the_peers_asked_for_and_seen_work
     node.asked.clear()
     asyncio.run(overlay.get_cards(prefer=[publisher]))  # a whole read names the asker too
     assert not [k for k in node.asked if "/card/" in k]  # ... and found every one of them in the shards
+
+
+def test_a_read_the_dht_did_not_answer_in_time_is_no_count_of_the_cards() -> None:
+    """A DHT outage makes a whole read find nothing: counted as an empty swarm, it would make the learner
+    shallow its shards, then deepen them again when the DHT answers."""
+    overlay, node, _, _ = _sharded(300, 5)
+    asyncio.run(overlay.get_cards())
+    assert overlay.cards.depth.count == 300
+
+    async def stuck(keys: list[str], sufficient_expiration_time: float | None = None) -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+    node.get_many = stuck  # type: ignore[method-assign]
+    overlay.config = overlay.cards.config = overlay.config.model_copy(update={"dht_timeout_s": 0.01})
+    cards, _ = asyncio.run(overlay.get_cards())
+    assert overlay.cards.reads["timed_out"] > 0
+    assert overlay.cards.depth.count == 300  # the last count the DHT answered
