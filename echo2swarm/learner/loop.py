@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -196,7 +197,9 @@ class Learner:
         intake, train = self.intake, self.train
         while self.steps_done < train.steps and not stop.is_set():
             # Peers that asked for work, and what they did lately (banned ones are out of the plan).
-            self.activation.ensure_running(stop, self.overlay.get_cards, intake.activity)
+            # re-plans take the broadcast tracker's latest read of every card shard when it is fresh enough
+            fresh_cards = functools.partial(self.overlay.get_cards, max_age_s=self.broadcast.refresh_s)
+            self.activation.ensure_running(stop, fresh_cards, intake.activity)
             step_started = time.monotonic()
             if not await self._wait_for_batch(stop):
                 break
@@ -298,7 +301,7 @@ class Learner:
         holders = {lease.peer_id for lease in self.intake.leases.open.values()}
         if not holders:
             return
-        cards, _ = await self.overlay.get_cards()
+        cards, _ = await self.overlay.get_cards(max_age_s=self.broadcast.refresh_s)  # the tracker's, if fresh
         alive = {c.peer_id for c in cards if c.state != "stopping"}
         for peer in holders - alive:
             n = self.intake.leases.drop_peer(peer)

@@ -240,6 +240,7 @@ class Overlay:
         # Peers seen doing work here (evidence only), and apart, peers that only asked for work (an RPC we answered)
         self.work = WorkLog(4 * config.max_cards, 3 * config.record_ttl_s)
         self.cards = CardReader(config, node, validator, self.work, self.peer_id)
+        self._last_whole: tuple[float, list[PeerCard], int] | None = None  # (monotonic end, cards, refused)
         rpc.observe_callers(p2p, lambda peer: self.work.saw(peer, ASKED))
 
     @classmethod
@@ -467,16 +468,26 @@ class Overlay:
         ))
 
     async def get_cards(
-        self, prefer: Collection[str] = (), limit: int | None = None, whole: bool = True
+        self, prefer: Collection[str] = (), limit: int | None = None, whole: bool = True, max_age_s: float = 0.0,
     ) -> tuple[list[PeerCard], int]:
         """Live, signed peer cards of the swarm, and how many were refused. `whole`: from every card shard
         (the learner, `peers`), else from a sample of them (our own shard and one other: a follower looking
         for holders); at most `limit` a shard (default max_cards) besides the peers read by name.
+        `max_age_s`: a whole read of the default kind (no `prefer`, no `limit`) that ended this recently
+        is answered again, not read anew (the learner's re-plans and departed-lease checks share the
+        broadcast tracker's reads: in a swarm of thousands each is a read of every shard).
 
         Peers in `prefer` (and on their rosters), then peers seen doing work here, come first, read by
         their own keys when no shard returned them (overlay/cards.py).
         """
-        return await self.cards.read(prefer, self.config.max_cards if limit is None else limit, whole)
+        plain = whole and not prefer and limit is None
+        if plain and max_age_s > 0 and self._last_whole is not None \
+                and time.monotonic() - self._last_whole[0] <= max_age_s:
+            return list(self._last_whole[1]), self._last_whole[2]
+        cards, bad = await self.cards.read(prefer, self.config.max_cards if limit is None else limit, whole)
+        if plain:
+            self._last_whole = (time.monotonic(), cards, bad)
+        return cards, bad
 
     async def get_card_page(self, page: int, prefer: Collection[str] = ()) -> tuple[list[PeerCard], int]:
         """The cards of one page of card shards (0-based; `cards.pages()` of them), with the peers in `prefer`

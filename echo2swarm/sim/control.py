@@ -4,7 +4,7 @@ What each daemon stores and reads follows the code: every daemon stores its card
 (`Overlay.store_card`: a lookup, then the replicas) and in its card shard (no lookup) every
 announce period; the learner stores its head and roster as often; followers read the head from
 the DHT every DHT_OVERDUE x head_poll_s; the learner reads the cards at every broadcast-tracker
-refresh, activation re-plan and departed-lease check; a follower reads cards when a fetch begins
+refresh (its re-plans and departed-lease checks reuse that read); a follower reads cards when a fetch begins
 and every holders_refresh_s while it lasts: its upstream peers' own keys when the plan places it
 (`BroadcastPlan.upstream`), else the learner's roster and the cards `get_cards(whole=False)` reads
 (in a sharded swarm at a wait that doubles each time, up to the record TTL).
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo2swarm.config.models import FetchConfig, OverlayConfig, PublishConfig
-from echo2swarm.config.rl import ActivationConfig
 from echo2swarm.overlay.cards import ShardDepth
 from echo2swarm.overlay.dht_keys import MAX_SHARD_BITS, card_key, head_key, roster_key, shard_key, shard_keys, shard_of
 from echo2swarm.overlay.storage import SHARED_DICT_BYTES
@@ -125,7 +124,7 @@ def control_traffic(design: str, ids: Sequence[str], active: Collection[str], ch
     publication) and a version every `version_period_s`."""
     if design not in DESIGNS:
         raise ValueError(f"design {design!r}: one of {', '.join(DESIGNS)}")
-    overlay, fetch, activation, publish = OverlayConfig(), FetchConfig(), ActivationConfig(), PublishConfig()
+    overlay, fetch, publish = OverlayConfig(), FetchConfig(), PublishConfig()
     n = len(ids) + 2
     dht = SimDHT(n, seed=seed)
     index = {p: i + 2 for i, p in enumerate(ids)}
@@ -151,9 +150,9 @@ def control_traffic(design: str, ids: Sequence[str], active: Collection[str], ch
     peers = np.arange(2, n)
     dht.get(peers, head_key(SWARM), sizes.head, np.full(len(peers), 1 / (DHT_OVERDUE * FetchConfig().head_poll_s)))
 
-    # The learner's reads of every shard: broadcast tracker, activation re-plan, departed-lease check.
-    refresh = publish.cards_refresh_s or min(2.0, overlay.announce_period_s / 2)
-    calls = 1 / refresh + 1 / activation.replan_period_s + 1 / overlay.announce_period_s
+    # The learner's reads of every shard: the broadcast tracker's; re-plans and departed-lease checks take
+    # its latest when it is at most one refresh old (Overlay.get_cards max_age_s), as it is here.
+    calls = 1 / (publish.cards_refresh_s or min(2.0, overlay.announce_period_s / 2))
     named = min(len(active) + overlay.max_cards // 4, overlay.max_cards)  # worked, then askers (cards.py)
     for key, value in shard_value.items():
         dht.get(0, key, value, 1 / overlay.record_ttl_s if key in flooded else calls)

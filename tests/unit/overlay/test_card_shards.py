@@ -242,3 +242,16 @@ def test_a_read_the_dht_did_not_answer_in_time_is_no_count_of_the_cards() -> Non
     cards, _ = asyncio.run(overlay.get_cards())
     assert overlay.cards.reads["timed_out"] > 0
     assert overlay.cards.depth.count == 300  # the last count the DHT answered
+
+
+def test_the_learners_other_readers_share_a_fresh_whole_read() -> None:
+    overlay, node, _, ids = _sharded(100, 3)
+    first, _ = asyncio.run(overlay.get_cards())
+    asked = len(node.asked)
+    again, _ = asyncio.run(overlay.get_cards(max_age_s=60.0))  # a re-plan right after the tracker's read
+    assert len(node.asked) == asked and {c.peer_id for c in again} == {c.peer_id for c in first}
+    asyncio.run(overlay.get_cards(prefer=[ids[0]], max_age_s=60.0))  # another kind of read: read anew
+    assert len(node.asked) > asked
+    asked = len(node.asked)
+    asyncio.run(overlay.get_cards(max_age_s=0.0))
+    assert len(node.asked) == asked + 8
