@@ -2,17 +2,19 @@
 through each node (requests and replies, both directions; what overlay/traffic.py counts on a real
 daemon, protobuf framing left out).
 
-    key ─ sha1, first 63 bits ─► the `replicas` nodes nearest by XOR (of 63-bit random node ids)
-    get(reader, key, value bytes)  : `hops` x `alpha` routing finds (LOOKUP_BYTES each way, spread over
-                                     the swarm) + the value from `value_replies` of the key's holders
+    key ─ sha1, first 63 bits ─► the `replicas` (5: DHTNode's num_replicas) nodes nearest by XOR
+    get(reader, key, value bytes)  : a beam search (hivemind/dht/traverse.py) that does not stop at the
+                                     first value (readers ask with sufficient_expiration_time = inf):
+                                     it visits the `beam` (20: bucket_size) nodes nearest the key and
+                                     those on the way, `num_workers` (4) a hop, min(N − 1, beam + hops ×
+                                     num_workers) finds of LOOKUP_BYTES each way (spread over the swarm);
+                                     every visited holder answers with the value, and the value is then
+                                     cached on one visited node that lacked it (cache_nearest = 1)
     store(writer, key, value bytes): (a lookup first, as `DHTNode.store` makes; none for card shards,
                                      which `Overlay._store_nearby` stores straight) + the value to
                                      every holder
 
-Model constants (assumptions; docs/benchmarks.md "Simulated swarms" compares them with measured
-traffic): a lookup takes ceil(log2(N) / 3) hops of `alpha` = 3 parallel finds (hivemind's beam
-search with 20-peer buckets resolves a few bits a hop), and a get's value comes from 3 of the 5
-replicas.
+hops = ceil(log2(N) / 3): an assumption (20-peer buckets resolve a few bits a hop).
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ LOOKUP_BYTES = 1200  # a find request and its reply of nearest peers (~20 ids an
 class SimDHT:
     """`n` DHT nodes; `bytes[i]` is what went through node i, per second of the rates given."""
 
-    def __init__(self, n: int, seed: int = 0, replicas: int = 5, value_replies: int = 3, alpha: int = 3):
+    def __init__(self, n: int, seed: int = 0, replicas: int = 5, beam: int = 20, num_workers: int = 4):
         rng = np.random.default_rng(seed)
         self.n = n
         self.ids = rng.integers(0, 2**63, size=n, dtype=np.uint64)
         self.replicas = min(replicas, n)
-        self.value_replies = min(value_replies, self.replicas)
-        self.alpha = alpha
-        self.hops = max(1, math.ceil(math.log2(max(2, n)) / 3))
+        hops = max(1, math.ceil(math.log2(max(2, n)) / 3))
+        self.finds = max(1, min(n - 1, beam + hops * num_workers))  # nodes a lookup asks
+        self.value_replies = max(1, min(self.replicas, n - 1))  # visited holders (the reader's own copy is local)
+        self.cache_stores = 1 if self.finds > self.value_replies else 0
         self.bytes = np.zeros(n)
         self.spread = 0.0  # routing bytes that land on nodes along lookup paths: spread evenly
         self._holders: dict[str, np.ndarray] = {}
@@ -52,7 +55,7 @@ class SimDHT:
         return found
 
     def _lookup(self, who: int | np.ndarray, rate: float | np.ndarray) -> None:
-        routing = self.hops * self.alpha * LOOKUP_BYTES
+        routing = self.finds * LOOKUP_BYTES
         np.add.at(self.bytes, who, rate * routing)
         self.spread += float(np.sum(rate * routing * np.ones(np.shape(who))))
 
@@ -60,8 +63,10 @@ class SimDHT:
         """`reader` (one node, or many at per-node `rate`s) gets `key`, a value of `value_bytes`, `rate` times a second."""
         self._lookup(reader, rate)
         total = float(np.sum(rate * np.ones(np.shape(reader))))
-        np.add.at(self.bytes, reader, rate * self.value_replies * value_bytes)
-        self.bytes[self.holders(key)[: self.value_replies]] += total * (value_bytes + LOOKUP_BYTES)
+        per_read = (self.value_replies + self.cache_stores) * value_bytes
+        np.add.at(self.bytes, reader, rate * per_read)
+        self.bytes[self.holders(key)[: self.value_replies]] += total * value_bytes
+        self.spread += total * self.cache_stores * value_bytes  # the cached copy lands on a node on the way
 
     def store(self, writer: int | np.ndarray, key: str, value_bytes: float, rate: float | np.ndarray,
               lookup: bool = True) -> None:
