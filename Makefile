@@ -40,7 +40,7 @@ system-deps:
 # Two pytest-xdist workers in lanes (tests/helpers/lanes.py; the lists are in tests/conftest.py): the
 # CPU-hungry modules one after another on one worker, the demo's test and the Sybil crowd alone with only
 # unit tests beside them, the paced step-rate comparisons never beside the hungry ones. One process took
-# ~1,160-1,240 s; the lanes 644-699 s in the last three passing CI-like runs (docs/benchmarks.md, "Test suite duration").
+# ~1,160-1,240 s; the lanes 694-719 s in the last three CI-like runs (docs/benchmarks.md, "Test suite duration").
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest tests -q -m "not vllm" -n 2 --dist loadscope --durations=25 --cpu-report=25
 
