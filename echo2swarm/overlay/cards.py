@@ -409,8 +409,4 @@ class CardReader:
                 memory.popitem(last=False)
 
 
-async def _nothing() -> list[Entry]:
-    return []
-
-
 __all__ = ["CardReader", "MAX_ROSTERS"]

@@ -169,13 +169,13 @@ class SwarmRecordValidator(RecordValidatorBase):
             if kind in ("peers", "card"):
                 if len(record.value) > MAX_CARD_BYTES:
                     raise RecordError(f"card of {len(record.value)} bytes exceeds {MAX_CARD_BYTES}", "size")
-                _, (updated_ms, expires_ms) = self._card_times(subkey, value, record.value)
-                check_times(f"card of {subkey[-8:]}", updated_ms, expires_ms, record.expiration_time)
-                if kind == "peers":
+                if kind == "peers":  # before the signature: a hash costs less than a verification
                     bits, shard = self._shards[record.key]
                     if shard_of(subkey, bits) != shard:  # or one key could gather a flood's cards from any id
                         raise RecordError(f"card of {subkey[-8:]} in shard {shard} of depth {bits}, not its own "
                                           f"({shard_of(subkey, bits)})", "shard")
+                _, (updated_ms, expires_ms) = self._card_times(subkey, value, record.value)
+                check_times(f"card of {subkey[-8:]}", updated_ms, expires_ms, record.expiration_time)
             elif kind == "roster":
                 self.roster(subkey, value).check_times(record.expiration_time)
             else:
