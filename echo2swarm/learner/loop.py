@@ -141,7 +141,7 @@ class Learner:
 
     def head(self) -> HeadRecord | None:
         """The newest version's head, signed afresh, with where followers reach us as the daemon advertises it
-        and the card shard depth our whole reads of the cards call for (overlay/cards.py `ShardDepth`)."""
+        and the card shard depth our whole reads of the cards call for (overlay/shards.py `ShardDepth`)."""
         bits = self.overlay.cards.depth.wanted(self.config.overlay.max_card_shard_bits)
         self.overlay.set_card_shards(bits)
         return self.publisher.head(self.config.overlay.record_ttl_s, self.overlay.chunk_url, self.overlay.maddrs, bits)

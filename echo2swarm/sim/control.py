@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from echo2swarm.config.models import FetchConfig, OverlayConfig, PublishConfig
-from echo2swarm.overlay.cards import ShardDepth
+from echo2swarm.overlay.shards import ShardDepth
 from echo2swarm.overlay.dht_keys import MAX_SHARD_BITS, card_key, head_key, roster_key, shard_key, shard_keys, shard_of
 from echo2swarm.overlay.storage import SHARED_DICT_BYTES
 from echo2swarm.policy.broadcast_plan import BroadcastPlan

@@ -13,7 +13,8 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 from echo2swarm.config.models import OverlayConfig
-from echo2swarm.overlay.cards import PAGE_SHARDS, ShardDepth
+from echo2swarm.overlay.cards import PAGE_SHARDS
+from echo2swarm.overlay.shards import ShardDepth
 from echo2swarm.overlay.dht_keys import CARDS_PER_SHARD, MAX_SHARD_BITS, peers_key, shard_key, shard_keys, shard_of
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.overlay.validation import SwarmRecordValidator, key_id
