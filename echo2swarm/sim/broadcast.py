@@ -74,7 +74,7 @@ def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_
             if peer_id not in departed and rng.random() < churn_per_hour * done / 3600:
                 departed.add(peer_id)
             parent_up, parent_id, parent_rtt = peer.up_bps, peer_id, peer.rtt_s
-    planned = [p for p in arrival]
+    planned = list(arrival)
     out = Spread(arrival, learner_bytes=stripe_bytes * len(chains), planned=len(planned), stripes=len(chains),
                  chain_length=max((len(c) for c in chains), default=0), departed=len(departed), chains=chains)
     rest = [p for p in peers if p.peer_id not in arrival]

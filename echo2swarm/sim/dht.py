@@ -54,15 +54,20 @@ class SimDHT:
             found = self._holders[key] = near[np.argsort(distance[near])]
         return found
 
+    @staticmethod
+    def _total(who: int | np.ndarray, rate: float | np.ndarray) -> float:
+        """Requests a second by every node in `who` together (one node, or many at per-node rates)."""
+        return float(np.sum(rate * np.ones(np.shape(who))))
+
     def _lookup(self, who: int | np.ndarray, rate: float | np.ndarray) -> None:
         routing = self.finds * LOOKUP_BYTES
         np.add.at(self.bytes, who, rate * routing)
-        self.spread += float(np.sum(rate * routing * np.ones(np.shape(who))))
+        self.spread += self._total(who, rate) * routing
 
     def get(self, reader: int | np.ndarray, key: str, value_bytes: float, rate: float | np.ndarray) -> None:
         """`reader` (one node, or many at per-node `rate`s) gets `key`, a value of `value_bytes`, `rate` times a second."""
         self._lookup(reader, rate)
-        total = float(np.sum(rate * np.ones(np.shape(reader))))
+        total = self._total(reader, rate)
         per_read = (self.value_replies + self.cache_stores) * value_bytes
         np.add.at(self.bytes, reader, rate * per_read)
         self.bytes[self.holders(key)[: self.value_replies]] += total * value_bytes
@@ -72,7 +77,7 @@ class SimDHT:
               lookup: bool = True) -> None:
         if lookup:
             self._lookup(writer, rate)
-        total = float(np.sum(rate * np.ones(np.shape(writer))))
+        total = self._total(writer, rate)
         np.add.at(self.bytes, writer, rate * self.replicas * value_bytes)
         self.bytes[self.holders(key)] += total * value_bytes
 

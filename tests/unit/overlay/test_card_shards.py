@@ -235,7 +235,7 @@ def test_a_read_the_dht_did_not_answer_in_time_is_no_count_of_the_cards() -> Non
     assert overlay.cards.depth.count == 300
 
     async def stuck(keys: list[str], sufficient_expiration_time: float | None = None) -> dict:
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # the outage itself: a DHT that never answers (the read gives up)
         return {}
 
     node.get_many = stuck  # type: ignore[method-assign]
