@@ -1,6 +1,6 @@
 """Typed per-role configuration: pydantic models, TOML loading, env and CLI overrides.
 
-    models.py   one root model per role (LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig)
+    models.py   one root model per role (LearnerConfig, RolloutConfig, RelayConfig, VerifierConfig, BootstrapConfig)
                 and the overlay, chunk server, fetch, store, supervisor and publish sections
     rl.py       the RL loop's sections (train, leases, peers, engine, worker, activation, verify)
     metrics.py  where the learner logs its metrics

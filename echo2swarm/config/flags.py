@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ROLES: tuple[str, ...] = ("learner", "rollout", "relay", "bootstrap")
+ROLES: tuple[str, ...] = ("learner", "rollout", "relay", "verifier", "bootstrap")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ def _flag(param: str, option: str, field: str, roles: tuple[str, ...] = ROLES) -
     return Flag(param, option, {role: field for role in roles})
 
 
-FOLLOWERS = ("rollout", "relay")
+FOLLOWERS = ("rollout", "relay", "verifier")
 FLAGS: tuple[Flag, ...] = (
     _flag("price", "--price", "price"),
     _flag("state_dir", "--state-dir", "state_dir"),
@@ -53,7 +53,7 @@ FLAGS: tuple[Flag, ...] = (
     _flag("trust", "--trust", "trust", FOLLOWERS),
     _flag("peer_assist", "--peer-assist/--no-peer-assist", "fetch.peer_assist", FOLLOWERS),
     _flag("engine", "--engine", "engine.type", ("rollout",)),
-    Flag("device", "--device", {"learner": "train.device", "rollout": "engine.device"}),
+    Flag("device", "--device", {"learner": "train.device", "rollout": "engine.device", "verifier": "check.device"}),
     _flag("model", "--model", "publish.model", ("learner",)),
     _flag("policy_key", "--policy-key", "publish.policy_key", ("learner",)),
     _flag("chunk_size", "--chunk-size", "publish.chunk_size", ("learner",)),

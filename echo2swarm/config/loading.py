@@ -17,7 +17,9 @@ from typing import Any, Literal, overload
 from pydantic import TypeAdapter, ValidationError
 
 from echo2swarm.config.flags import FLAG_FOR_FIELD, ROLES
-from echo2swarm.config.models import BootstrapConfig, DaemonConfig, LearnerConfig, RelayConfig, RolloutConfig
+from echo2swarm.config.models import (
+    BootstrapConfig, DaemonConfig, LearnerConfig, RelayConfig, RolloutConfig, VerifierConfig,
+)
 
 ENV_PREFIX = "ECHO2SWARM_"
 # Variables with that prefix that are not config fields: --config's variable, the echo2swarm
@@ -103,7 +105,7 @@ def format_validation_error(err: ValidationError, role: str) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-AnyDaemonConfig = LearnerConfig | RolloutConfig | RelayConfig | BootstrapConfig
+AnyDaemonConfig = LearnerConfig | RolloutConfig | RelayConfig | VerifierConfig | BootstrapConfig
 
 
 @overload
@@ -115,6 +117,9 @@ def load_config(role: Literal["rollout"], config_path: Path | None = None, *, en
 @overload
 def load_config(role: Literal["relay"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> RelayConfig: ...
+@overload
+def load_config(role: Literal["verifier"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> VerifierConfig: ...
 @overload
 def load_config(role: Literal["bootstrap"], config_path: Path | None = None, *, environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None) -> BootstrapConfig: ...

@@ -15,10 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from echo2swarm.config.maddr import MaddrError, check_listen_maddr, check_peer_maddr
 from echo2swarm.config.metrics import MetricsConfig
-from echo2swarm.config.rl import ActivationConfig, EngineConfig, LeaseConfig, PeersConfig, TrainConfig, VerifyConfig, WorkerConfig
+from echo2swarm.config.rl import ActivationConfig, Device, EngineConfig, LeaseConfig, PeersConfig, TrainConfig, VerifyConfig, WorkerConfig
 from echo2swarm.config.units import parse_bytes
 
-Role = Literal["learner", "rollout", "relay", "bootstrap"]
+Role = Literal["learner", "rollout", "relay", "verifier", "bootstrap"]
 _SWARM_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 MiB = 1024 * 1024
 # Manifests a follower walks back from a target at most (policy/catchup.py): a keyframe period is no longer.
@@ -587,6 +587,32 @@ class RelayConfig(_FollowerBase):
     role: Literal["relay"] = "relay"
 
 
+class CheckConfig(StrictModel):
+    """How a verifier daemon computes the learner's exact checks (learner/verifiers.py)."""
+
+    device: Device = Field(
+        "auto", description="Torch device of the checks' forwards: auto (cuda when visible, else cpu), cpu, cuda or "
+        "cuda:N. They run in fp32 whatever the published dtype, one module's weights at a time.",
+    )
+    threads: int | None = Field(None, ge=1, description="torch threads for the forwards. None: torch's default.")
+    max_waiting: int = Field(
+        4, ge=0, le=64, description="Checks queued behind the one running; more are answered `busy` (the learner "
+        "asks another verifier or computes it itself).",
+    )
+
+
+class VerifierConfig(_FollowerBase):
+    """Follows the learner's versions (fetch, verify, re-serve) and computes the exact checks of older
+    versions for the learner whose signed head lists this daemon's peer id."""
+
+    role: Literal["verifier"] = "verifier"
+    check: CheckConfig = Field(default_factory=CheckConfig)
+    store: StoreConfig = Field(
+        default_factory=lambda: StoreConfig(keep_versions=8),
+        description="Keep at least the learner's staleness window + 1 versions: older ones cannot be checked here.",
+    )
+
+
 class BootstrapConfig(_DaemonBase):
     """Keeps the DHT reachable; holds no policy, so its chunk server never starts."""
 
@@ -594,6 +620,6 @@ class BootstrapConfig(_DaemonBase):
 
 
 DaemonConfig = Annotated[
-    Union[LearnerConfig, RolloutConfig, RelayConfig, BootstrapConfig], Field(discriminator="role")
+    Union[LearnerConfig, RolloutConfig, RelayConfig, VerifierConfig, BootstrapConfig], Field(discriminator="role")
 ]
-FollowerConfig = Union[RolloutConfig, RelayConfig]
+FollowerConfig = Union[RolloutConfig, RelayConfig, VerifierConfig]

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from echo2swarm.control.activation import DEFAULT_HYSTERESIS
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 from echo2swarm.runtime.devices import check_cpus, check_device_name
+from echo2swarm.wire.records import MAX_VERIFIERS, PEER_ID_PATTERN
 from echo2swarm.wire.sampling import SAMPLER
 from echo2swarm.wire.work import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, MAX_PROMPTS_PER_LEASE
 
@@ -430,6 +431,19 @@ class VerifyConfig(_Section):
     seed: int | None = Field(
         None, ge=0, description="Seeds the choice of sampled groups (tests). None: unpredictable, so a peer cannot "
         "tell which of its groups will be checked.",
+    )
+    verifiers: list[Annotated[str, Field(pattern=PEER_ID_PATTERN)]] = Field(
+        default_factory=list, max_length=MAX_VERIFIERS, description="Peer ids of verifier daemons (`--role verifier`, "
+        "operations.md 'Verifier daemons') that may compute exact checks; listed in the signed head.",
+    )
+    offload: Literal["never", "when_full", "always"] = Field(
+        "when_full", description="When exact checks go to `verifiers`: when_full - when the learner's device has less "
+        "free memory than the check's forward needs; always - whenever one answers (the learner computes it when "
+        "none does); never - only here.",
+    )
+    remote_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Seconds a verifier daemon has to answer one exact check before the next "
+        "is asked (the learner computes it itself, memory permitting, when none answers).",
     )
 
     @property

@@ -1,8 +1,11 @@
-"""Rollout and relay peers' service: follow the learner's signed versions; rollout peers also generate.
+"""Rollout, relay and verifier peers' service: follow the learner's signed versions; rollout peers also
+generate, verifier peers compute the learner's exact checks.
 
     DHT head ─► PolicyFollower (verify, fetch, install) ─► held version in the peer card
                      │           └─► chunk server serves what is verified
-                     └─ on_version ─► RolloutWorker (rollout role): engine swap, leases, generation
+                     ├─ on_version ─► RolloutWorker (rollout role): engine swap, leases, generation
+                     └─ trusted head's publisher and verifiers ─► CheckServer (verifier role):
+                        rpc_check for that learner only (learner/verifiers.py)
 
 The follower and the worker are separate tasks, so a rollout peer keeps generating with the
 version it holds while the next one downloads (double-buffering).
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from echo2swarm.config.models import RelayConfig, RolloutConfig
+from echo2swarm.config.models import RelayConfig, RolloutConfig, VerifierConfig
 from echo2swarm.daemon.context import CardFields, DaemonContext, Stats
 from echo2swarm.policy.follower import PolicyFollower
 from echo2swarm.policy.server import Handler
@@ -26,9 +29,10 @@ logger = get_logger(__name__)
 
 
 class FollowerService:
-    """Rollout and relay peers: follow (fetch, verify, re-serve) every version; rollout peers also work."""
+    """Rollout, relay and verifier peers: follow (fetch, verify, re-serve) every version; rollout peers
+    also work, verifier peers also check."""
 
-    def __init__(self, config: RolloutConfig | RelayConfig, ctx: DaemonContext):
+    def __init__(self, config: RolloutConfig | RelayConfig | VerifierConfig, ctx: DaemonContext):
         self.ctx = ctx
         self.config = config
         pinned = load_trusted_key(config.trust) if config.trust else None
@@ -55,6 +59,15 @@ class FollowerService:
 
             self.worker = RolloutWorker(config, self.follower, weights, throughput, ctx.overlay,
                                         announce=self._announce_now)
+        self.checks = None
+        if isinstance(config, VerifierConfig):
+            from echo2swarm.learner.verifiers import CheckServer
+
+            follower, versions = self.follower, ctx.versions
+            self.checks = CheckServer(
+                config.check, ctx.overlay.peer_id,
+                learner=lambda: (follower.publisher, follower.verifiers) if follower.publisher else None,
+                version_dir=lambda v: versions.dir(v) if versions.installed(v) else None)
 
     def _announce_now(self) -> None:
         self.ctx.announcer.trigger()  # tell the swarm now, not at the next period
@@ -65,6 +78,11 @@ class FollowerService:
         self._announce_now()
 
     async def start(self) -> None:
+        if self.checks is not None:
+            from echo2swarm.overlay.rpc import serve
+            from echo2swarm.wire.surfaces import VERIFIER_RPC
+
+            await serve(self.ctx.overlay.p2p, self.config.overlay.swarm, VERIFIER_RPC, self.checks)  # rpc_check
         held = self.follower.held_version
         if held is not None:
             logger.info("holding policy v%d from a previous run", held)
@@ -115,6 +133,8 @@ class FollowerService:
                       "engine_pid": getattr(engine, "pid", None),
                       "engine_restarts": getattr(engine, "restarts", 0),
                       "engine_busy_s": getattr(engine, "busy_s", None)}
+        if self.checks is not None:
+            worker["checks"] = self.checks.snapshot()
         return {
             **worker,
             "refused_heads": dict(self.follower.refused),

@@ -48,7 +48,7 @@ STEP_FIELDS = (
     "bubble_ratio", "bubble_ratio_total", "wait_s", "t_train_s", "t_bcast_s", "cost_usd", "active_peers",
     "active_price_per_h", "tokens_per_s", "accepted",
 )
-_ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
+_ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "verifier": 3, "bootstrap": 4}
 _COUNT = re.compile(r"0|[1-9][0-9]{0,12}")
 _JSON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 

@@ -28,7 +28,7 @@ import aiohttp
 
 from echo2swarm import __version__
 from echo2swarm.config.loading import AnyDaemonConfig, dump_config
-from echo2swarm.config.models import LearnerConfig, RelayConfig, RolloutConfig
+from echo2swarm.config.models import LearnerConfig, RelayConfig, RolloutConfig, VerifierConfig
 from echo2swarm.daemon.banner import start_banner
 from echo2swarm.daemon.context import BootstrapService, DaemonContext, RoleService
 from echo2swarm.daemon.prometheus import daemon_registry, metrics_route
@@ -69,7 +69,7 @@ def make_service(config: AnyDaemonConfig, ctx: DaemonContext) -> RoleService:
         from echo2swarm.daemon.learner_service import LearnerService
 
         return LearnerService(config, ctx)
-    if isinstance(config, (RolloutConfig, RelayConfig)):
+    if isinstance(config, (RolloutConfig, RelayConfig, VerifierConfig)):
         from echo2swarm.daemon.follower_service import FollowerService
 
         return FollowerService(config, ctx)
@@ -389,7 +389,7 @@ def preflight(config: AnyDaemonConfig) -> None:
             from echo2swarm.runtime.devices import resolve_device
 
             resolve_device(config.train.device, setting="train.device (--device)")
-    elif isinstance(config, (RolloutConfig, RelayConfig)) and config.trust:
+    elif isinstance(config, (RolloutConfig, RelayConfig, VerifierConfig)) and config.trust:
         from echo2swarm.wire.signing import load_trusted_key
 
         load_trusted_key(config.trust)

@@ -83,7 +83,7 @@ class BroadcastTracker:
     def followers(self) -> list[PeerCard]:
         excluded = self.excluded()
         return [c for c in self.cards
-                if c.role in ("rollout", "relay") and c.state != "stopping" and c.peer_id not in excluded]
+                if c.role in ("rollout", "relay", "verifier") and c.state != "stopping" and c.peer_id not in excluded]
 
     def plan(self, version: int) -> bytes:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from echo2swarm.config.models import LearnerConfig
 from echo2swarm.learner.accountability import PeerLedger
@@ -51,6 +51,9 @@ from echo2swarm.train.verify import GroupEvidence, NonFiniteWeightsError
 from echo2swarm.wire.records import HeadRecord
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.wire.surfaces import LEARNER_RPC
+
+if TYPE_CHECKING:
+    from echo2swarm.learner.verifiers import RemoteVerifiers
 
 logger = get_logger(__name__)
 RECENT_REWARDS = 10  # steps whose mean reward train.reward_target is compared with
@@ -88,6 +91,7 @@ class Learner:
         self.version = 1
         self.steps_done = 0
         self.trainer: Trainer | None = None
+        self.verifiers: RemoteVerifiers | None = None  # verifier daemons, when the config lists any
         self.intake: Intake | None = None
         self.metrics: MetricsLog | None = None
         self.recent_rewards: deque[float] = deque(maxlen=RECENT_REWARDS)
@@ -103,13 +107,18 @@ class Learner:
         # torch + transformers: only in the learner. Under torchrun (W > 1) this is rank 0 of a sharded
         # trainer; ranks 1..W-1 follow its commands (train/distributed.py, started by `daemon`).
         from echo2swarm.tasks.registry import get_task
+        from echo2swarm.learner.verifiers import RemoteVerifiers
         from echo2swarm.train.distributed import make_trainer
 
         versions = self.versions
+        verify = self.config.verify
+        if verify.enabled and verify.verifiers and verify.offload != "never":  # exact checks elsewhere too
+            self.verifiers = RemoteVerifiers(self.overlay.p2p, self.config.overlay.swarm, verify,
+                                             asyncio.get_running_loop())
         trainer = self.trainer = await asyncio.to_thread(
-            make_trainer, self.publisher.model_dir, self.train, verify=self.config.verify,
+            make_trainer, self.publisher.model_dir, self.train, verify=verify,
             # behaviour versions within the staleness window are on disk (LearnerConfig.versions_kept)
-            weights_of=lambda v: versions.dir(v) if versions.installed(v) else None,
+            weights_of=lambda v: versions.dir(v) if versions.installed(v) else None, remote=self.verifiers,
         )
         task = get_task(self.train.task, seed=self.train.seed, **self.train.task_options)
         cursor, requeue = 0, []
@@ -144,7 +153,8 @@ class Learner:
         and the card shard depth our whole reads of the cards call for (overlay/shards.py `ShardDepth`)."""
         bits = self.overlay.cards.depth.wanted(self.config.overlay.max_card_shard_bits)
         self.overlay.set_card_shards(bits)
-        return self.publisher.head(self.config.overlay.record_ttl_s, self.overlay.chunk_url, self.overlay.maddrs, bits)
+        return self.publisher.head(self.config.overlay.record_ttl_s, self.overlay.chunk_url, self.overlay.maddrs, bits,
+                                   self.config.verify.verifiers)
 
     def _head_json(self) -> str | None:
         head = self.head()
@@ -343,6 +353,8 @@ class Learner:
                        peers=self.intake.ledger.snapshot())
         out["capacity"] = self.activation.snapshot()
         out["rollbacks"] = self.rollbacks
+        if self.verifiers is not None:
+            out["verifiers"] = self.verifiers.snapshot()
         out.update(self.publisher.stats())  # "versions" (per recent version), "publish" (the newest one's)
         return out
 

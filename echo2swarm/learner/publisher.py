@@ -131,11 +131,11 @@ class Publisher:
         logger.info("delta base after restart: v%d (keyframe v%d)", self.previous.version, self.keyframe.version)
 
     def head(self, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None,
-             card_shard_bits: int = 0) -> HeadRecord | None:
+             card_shard_bits: int = 0, verifiers: list[str] | None = None) -> HeadRecord | None:
         """The newest version's head, signed now (None before the first), naming where followers reach us."""
         if self.published is None:
             return None
-        return self.writer.sign_head(self.published, ttl_s, chunk_url, maddrs, card_shard_bits)
+        return self.writer.sign_head(self.published, ttl_s, chunk_url, maddrs, card_shard_bits, verifiers)
 
     def card_versions(self) -> list[dict[str, Any]]:
         """The card's `versions`: the newest few, as {version, kind, dense_bytes, delta_bytes}."""

@@ -258,12 +258,13 @@ class VersionWriter:
 
     def sign_head(
         self, published: PublishedVersion, ttl_s: float, chunk_url: str | None = None, maddrs: list[str] | None = None,
-        card_shard_bits: int = 0,
+        card_shard_bits: int = 0, verifiers: list[str] | None = None,
     ) -> HeadRecord:
         """A fresh head whose signed expiry bounds how long any node keeps it (replays die with it).
 
         It carries where followers reach us (chunk URL, multiaddrs), so no forged card can send
-        followers elsewhere, and the swarm's card shard depth (overlay/dht_keys.py).
+        followers elsewhere, the swarm's card shard depth (overlay/dht_keys.py) and the verifier
+        daemons we send exact checks to (learner/verifiers.py).
         """
         now_ms = int(time.time() * 1000)
         return HeadRecord(
@@ -277,5 +278,6 @@ class VersionWriter:
             public_key=self.key.public.text,
             chunk_url=chunk_url,
             maddrs=list(maddrs or [])[:8],
+            verifiers=list(verifiers or []),
             card_shard_bits=card_shard_bits,
         ).signed(self.key)

@@ -7,7 +7,7 @@ from typing import Any
 
 from echo2swarm.overlay.node import Overlay
 
-_ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "bootstrap": 3}
+_ROLE_ORDER = {"learner": 0, "rollout": 1, "relay": 2, "verifier": 3, "bootstrap": 4}
 
 
 async def census(overlay: Overlay, page: int | None = None) -> dict[str, Any]:

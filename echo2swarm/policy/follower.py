@@ -146,6 +146,7 @@ class PolicyFollower:
         self._skipped: set[tuple[int, int, str]] = set()
         # Peer id of the learner whose trusted head we follow: the only learner a rollout peer works for.
         self.publisher: str | None = None
+        self.verifiers: frozenset[str] = frozenset()  # the verifier daemons that learner's head lists
         self._wake = asyncio.Event()
         self._installed = asyncio.Condition()
         # Delta versions: paths chosen, hops fetched, rebuilt and checked (policy/installer.py).
@@ -299,6 +300,7 @@ class PolicyFollower:
         head = self.trust.select(heads, self.swarm)
         if head is not None:
             self.publisher = head.publisher
+            self.verifiers = frozenset(head.verifiers)
             self.overlay.set_card_shards(head.card_shard_bits)  # where cards are stored and read (signed by the learner)
         if self.trust.key is not None:
             for other in heads:

@@ -44,10 +44,11 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
+from echo2swarm.train.exact import CheckUnavailable, ExactFigures, ExactSettings, RemoteCheck
 from echo2swarm.train.group import Group
 from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
 from echo2swarm.train.trainer import GRPOTrainer, train_without_dropout, unique_state_dict
-from echo2swarm.train.streamed import StreamedPolicy, VersionWeights, parameters_on_meta
+from echo2swarm.train.streamed import StreamedPolicy, VersionWeights, buffers_to, parameters_on_meta
 from echo2swarm.train.verify import WeightsOf, check_finite
 from echo2swarm.runtime.logging import get_logger
 
@@ -102,11 +103,13 @@ def init_ranks(device_setting: str) -> Ranks:
 
 
 def make_trainer(model_dir: Path, config: TrainConfig, *, verify: VerifyConfig | None = None,
-                 weights_of: WeightsOf | None = None) -> GRPOTrainer:
-    """The trainer of this process: a plain GRPOTrainer, or rank 0's ShardedTrainer under torchrun."""
+                 weights_of: WeightsOf | None = None, remote: RemoteCheck | None = None) -> GRPOTrainer:
+    """The trainer of this process: a plain GRPOTrainer, or rank 0's ShardedTrainer under torchrun.
+    ``remote``: where exact checks may run instead (verifier daemons: learner/verifiers.py)."""
     if world_size() <= 1:
-        return GRPOTrainer(model_dir, config, verify=verify, weights_of=weights_of)
-    return ShardedTrainer(model_dir, config, ranks=init_ranks(config.device), verify=verify, weights_of=weights_of)
+        return GRPOTrainer(model_dir, config, verify=verify, weights_of=weights_of, remote=remote)
+    return ShardedTrainer(model_dir, config, ranks=init_ranks(config.device), verify=verify, weights_of=weights_of,
+                          remote=remote)
 
 
 def serve_rank(model_dir: Path, config: TrainConfig, verify: VerifyConfig | None = None) -> int:
@@ -156,7 +159,7 @@ class ShardedTrainer(GRPOTrainer):
     """
 
     def __init__(self, model_dir: Path, config: TrainConfig, *, ranks: Ranks, verify: VerifyConfig | None = None,
-                 weights_of: WeightsOf | None = None):
+                 weights_of: WeightsOf | None = None, remote: RemoteCheck | None = None):
         self.ranks = ranks
         self.rank, self.world = ranks.rank, ranks.world
         self.mesh = init_device_mesh(ranks.device.type, (ranks.world,))
@@ -168,7 +171,11 @@ class ShardedTrainer(GRPOTrainer):
         verify = verify if verify is not None else VerifyConfig()
         if verify.enabled and verify.seed is None:  # the sample of exact checks must be the same on every rank
             verify = verify.model_copy(update={"seed": self._from_rank0(random.SystemRandom().randrange(2**31))})
-        super().__init__(model_dir, config, verify=verify, weights_of=self._weights_of)
+        self._remote_rank0 = remote
+        # Every rank takes part in each exact check the same way: rank 0 asks the verifier daemons and
+        # tells the others what came back (the config, the same on every rank, says whether there are any).
+        on_ranks = self._remote_on_ranks if verify.verifiers and verify.offload != "never" else None
+        super().__init__(model_dir, config, verify=verify, weights_of=self._weights_of, remote=on_ranks)
 
     # -- building ------------------------------------------------------------------------------
     def _resolve_device(self) -> torch.device:
@@ -213,7 +220,7 @@ class ShardedTrainer(GRPOTrainer):
         if self.rank == 0:
             with parameters_on_meta():
                 skeleton = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-            streamed = StreamedPolicy(_buffers_to(skeleton, self.device), device=self.device)
+            streamed = StreamedPolicy(buffers_to(skeleton, self.device), device=self.device)
         return _StreamedOnRanks(streamed, self)
 
     # -- collectives ---------------------------------------------------------------------------
@@ -242,6 +249,23 @@ class ShardedTrainer(GRPOTrainer):
                 found = None
         available = self._from_rank0(found is not None)
         return (found if self.rank == 0 else {}) if available else None
+
+    def _remote_on_ranks(self, version: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         completion_mask: torch.Tensor, keys: torch.Tensor | None, settings: ExactSettings,
+                         need_bytes: int) -> ExactFigures | None:
+        """Rank 0's verifier daemons' figures (CPU tensors), on every rank; None on every rank when it
+        declined; CheckUnavailable on every rank when it found the check can run nowhere."""
+        figures: Any = None
+        if self.rank == 0 and self._remote_rank0 is not None:
+            try:
+                figures = self._remote_rank0(version, input_ids, attention_mask, completion_mask, keys, settings,
+                                             need_bytes)
+            except CheckUnavailable as e:
+                figures = str(e)
+        figures = self._from_rank0(figures)
+        if isinstance(figures, str):
+            raise CheckUnavailable(figures)
+        return figures
 
     def _load_full(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         """Rank 0's full ``tensors`` into every rank's shards of ``model`` (ValueError on every rank
@@ -395,15 +419,6 @@ class ShardedTrainer(GRPOTrainer):
                 logger.warning("rank %d: %s failed on every rank: %s", self.rank, name, e)
 
 
-def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``module`` with its buffers on ``device`` (its parameters may be on the meta device)."""
-    for sub in module.modules():
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                sub._buffers[name] = buffer.to(device)
-    return module
-
-
 class _StreamedOnRanks(torch.nn.Module):
     """The verifier's view of older versions on W ranks: rank 0's `StreamedPolicy` runs each forward,
     and every rank returns the logits rank 0 computed, so all ranks judge the same (a failure on rank
@@ -413,6 +428,11 @@ class _StreamedOnRanks(torch.nn.Module):
         super().__init__()
         self.streamed = streamed  # rank 0 only
         self._trainer = [trainer]  # in a list: not a submodule
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Rank 0's: the ranks' estimates of a forward's memory must agree, and only rank 0 streams."""
+        return self.streamed.buffer_bytes if self.streamed is not None else 0
 
     @contextmanager
     def use(self, weights: Any) -> Iterator[_StreamedOnRanks]:

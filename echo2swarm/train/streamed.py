@@ -25,6 +25,7 @@ than computing on nothing.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ import torch
 
 from echo2swarm.runtime.safetensors import safetensors_layout
 
-__all__ = ["StreamedPolicy", "Streaming", "TensorWeights", "VersionWeights", "parameters_on_meta"]
+__all__ = ["StreamedPolicy", "Streaming", "TensorWeights", "VersionWeights", "buffers_to", "parameters_on_meta"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -145,6 +146,15 @@ def _layout(path: Path) -> dict[str, _Entry]:
             for name, slot in safetensors_layout(path, os.path.getsize(path)).items()}
 
 
+def buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` with its buffers on ``device`` (its parameters may be on the meta device)."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = buffer.to(device)
+    return module
+
+
 class StreamedPolicy(torch.nn.Module):
     """The policy's architecture over the weights of a `VersionWeights`, read module by module.
 
@@ -192,6 +202,12 @@ class StreamedPolicy(torch.nn.Module):
             self._slots.extend(slots)
             module.register_forward_pre_hook(self._loader(slots))
             module.register_forward_hook(self._unloader(slots))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes a forward allocates at most for parameters: one buffer per distinct shape, dtype and device."""
+        shapes = {(tuple(skeleton.shape), dtype, device) for _, _, _, skeleton, dtype, device in self._slots}
+        return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype, _ in shapes)
 
     @contextmanager
     def use(self, weights: VersionWeights | TensorWeights) -> Iterator[StreamedPolicy]:

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from echo2swarm.config.rl import TrainConfig, VerifyConfig
 from echo2swarm.train.batches import Batch, build_batch, group_rows
+from echo2swarm.train.exact import RemoteCheck
 from echo2swarm.train.group import Group
 from echo2swarm.train.grpo import completion_logits
 from echo2swarm.train.rounding import ROUND_TO_NEAREST, held_cast
@@ -105,7 +106,7 @@ class GRPOTrainer(UpdatePath):
     world = 1  # ranks training the policy together; each takes every world-th micro-batch
 
     def __init__(self, model_dir: Path, config: TrainConfig, *, verify: VerifyConfig | None = None,
-                 weights_of: WeightsOf | None = None):
+                 weights_of: WeightsOf | None = None, remote: RemoteCheck | None = None):
         self.config = config
         self.verify_config = verify if verify is not None else VerifyConfig()
         self.device = self._resolve_device()
@@ -122,7 +123,7 @@ class GRPOTrainer(UpdatePath):
         self.verifier: Verifier | None = None
         if self.verify_config.enabled:
             self.verifier = Verifier(self.verify_config, temperature=config.temperature, top_p=config.top_p,
-                                     weights_of=weights_of, make_spare=self._verify_spare)
+                                     weights_of=weights_of, make_spare=self._verify_spare, remote=remote)
         self.skipped_nonfinite = 0  # updates skipped so far because the loss or a gradient was not finite
 
     # -- building (train/distributed.py's ShardedTrainer overrides these) ----------------------

@@ -54,9 +54,10 @@ import torch
 
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.train.group import Group
-from echo2swarm.train.grpo import CompletionLogits, completion_logits
+from echo2swarm.train.grpo import CompletionLogits
 from echo2swarm.train.streamed import Streaming, TensorWeights, VersionWeights
-from echo2swarm.train.scoring import VARIANCE_FLOOR, TokenScores, choice_gaps_of, score_logits
+from echo2swarm.train.exact import CheckUnavailable, ExactFigures, ExactSettings, RemoteCheck, exact_figures, row_typicality
+from echo2swarm.train.scoring import VARIANCE_FLOOR, ChoiceGaps, TokenScores, choice_gaps_of
 from echo2swarm.runtime.logging import get_logger
 from echo2swarm.wire.sampling import SAMPLERS, completion_key
 
@@ -160,6 +161,7 @@ class VerifyResult:
     checked: int = 0  # groups that went through the plausibility checks
     exact: int = 0  # groups compared with their own version's logprobs (version t ones included)
     unavailable: int = 0  # groups an exact check was wanted for, whose version's weights were not there
+    remote: int = 0  # groups whose exact check a verifier daemon computed (learner/verifiers.py)
     choices: int = 0  # groups whose seeded choices were re-derived from their own version's logits
     refused: Counter[str] = field(default_factory=Counter)
     evidence: list[GroupEvidence] = field(default_factory=list)  # the groups measured under their own version
@@ -171,6 +173,7 @@ class VerifyResult:
             "verify_checked": self.checked,
             "verify_exact": self.exact,
             "verify_unavailable": self.unavailable,
+            "verify_remote": self.remote,
             "verify_choices": self.choices,
             "verify_refused": dict(self.refused),
         }
@@ -223,12 +226,14 @@ class Verifier:
         top_p: float = 1.0,
         weights_of: WeightsOf | None = None,
         make_spare: Callable[[], torch.nn.Module] | None = None,
+        remote: RemoteCheck | None = None,
     ):
         self.config = config
         self.temperature = temperature
         self.top_p = top_p
         self.weights_of = weights_of
         self.make_spare = make_spare
+        self.remote = remote  # computes an exact check's figures on a verifier daemon, or declines (None)
         self._spares: OrderedDict[int, torch.nn.Module] = OrderedDict()  # version -> loaded model, LRU order
         self._streamed: Streaming | None = None  # what older versions stream through, if make_spare gives one
         self._loose: torch.nn.Module | None = None  # a whole model made while finding that out, not yet loaded
@@ -281,7 +286,7 @@ class Verifier:
         claimed_ok = torch.where(mask, finite, torch.ones_like(mask)).all(dim=1)
         gap = torch.where(mask & finite, (behaviour - scores.sampling_logprobs).abs(), torch.zeros_like(behaviour))
         figures = torch.stack([claimed_ok.float(), gap.amax(dim=1), gap.sum(dim=1), mask.sum(dim=1).float()]).cpu()
-        excess, variance = self._row_typicality(scores, mask)
+        excess, variance = row_typicality(scores, mask)
         for p in pending:
             r = p.rows
             if p.staleness < 0:
@@ -333,29 +338,31 @@ class Verifier:
         # 1b. The seeded choices of version t's groups, from the step's own logits.
         chosen = [p for p in pending if p.want_choices]
         if chosen and logits is not None and keys is not None:
-            self._judge_choices(chosen, logits, completion_mask, keys, torch.cat([p.rows for p in chosen]))
+            rows_of = torch.cat([p.rows for p in chosen])
+            self._judge_choices(chosen, choice_gaps_of(logits, completion_mask, keys, rows_of, top_p=self.top_p,
+                                                       delta=self._delta, scale=self._scale))
             for p in chosen:
                 if p.reason is not None:
                     p.want_exact = True  # judged under the masters: the published version decides
 
-        # 2. Exact check of the chosen groups, one forward per version.
+        # 2. Exact check of the chosen groups, one forward per version (here, or on a verifier daemon).
         by_version: dict[int, list[_Pending]] = {}
         for p in pending:
             if p.want_exact:
                 by_version.setdefault(p.group.version, []).append(p)
         for version, members in sorted(by_version.items()):
             index = torch.cat([p.rows for p in members]).to(device)
-            with self._version_model(version) as model, torch.no_grad():
-                if model is None:
-                    result.unavailable += len(members)
-                    continue
-                scored = completion_logits(model, input_ids[index], attention_mask[index], completion_mask[index],
-                                           temperature=self.temperature)
-                exact = score_logits(scored, top_p=self.top_p, typicality=cfg.typicality_z is not None)
+            sub_keys = keys[index.cpu()] if keys is not None else None
+            figures, remote = self._exact(version, input_ids[index], attention_mask[index], completion_mask[index],
+                                          sub_keys)
+            result.remote += len(members) if remote else 0
+            if figures is None:
+                result.unavailable += len(members)
+                continue
             sub_mask = mask[index]
-            exact_lp = exact.sampling_logprobs
+            exact_lp = figures.logprobs.to(device)
             sub_gap = torch.where(sub_mask, (behaviour[index] - exact_lp).abs(), torch.zeros_like(exact_lp))
-            sub_excess, sub_variance = self._row_typicality(exact, sub_mask)
+            sub_excess, sub_variance = figures.excess, figures.variance
             sub_figures = torch.stack([sub_gap.amax(dim=1), sub_gap.sum(dim=1), sub_mask.sum(dim=1).float()]).cpu()
             start = 0
             for p in members:
@@ -372,14 +379,14 @@ class Verifier:
                 elif mean_gap > cfg.exact_mean_tolerance:
                     p.reason = "exact_mismatch"
                     p.detail = f"v{version}: mean |b - e| = {mean_gap:.3g} > {cfg.exact_mean_tolerance:.3g}"
-                if sub_excess is not None:
+                if sub_excess is not None and sub_variance is not None:
                     p.z = self._group_z(sub_excess, sub_variance, local)  # under the behaviour version itself
                     p.signed_z = self._signed_z(sub_excess, sub_variance, local)
             seeded = [p for p in members if p.seeded and p.reason is None]
             if seeded and keys is not None:
-                self._judge_choices(seeded, scored, completion_mask[index], keys[index.cpu()],
-                                    torch.cat([p.local for p in seeded]), f"v{version}: ")
-            del scored
+                at = torch.cat([p.local for p in seeded])
+                self._judge_choices(seeded, ChoiceGaps(figures.gap[at], figures.outside[at], figures.evidence[at],
+                                                       figures.positions[at]), f"v{version}: ")
 
         # 3. Typicality, under the behaviour version where it was scored, else under q (a proxy).
         if cfg.typicality_z is not None:
@@ -428,15 +435,21 @@ class Verifier:
                                         dtype=torch.long)
         return keys
 
-    def _judge_choices(self, members: list[_Pending], scored: CompletionLogits, completion_mask: torch.Tensor,
-                       keys: torch.Tensor, rows: torch.Tensor, where: str = "") -> None:
+    @property
+    def _delta(self) -> float:
+        """δ in the units of the scores (logits / T): how far an honest engine's logits may differ from ours."""
+        return self.config.sample_tolerance / self.temperature
+
+    @property
+    def _scale(self) -> float:
+        return self.config.peer_choice_scale / self.temperature
+
+    def _judge_choices(self, members: list[_Pending], found: ChoiceGaps, where: str = "") -> None:
         """Refuse as `sample_mismatch` the members whose tokens the seeded sampler cannot have chosen
-        under ``scored``'s logits (``rows``: the members' rows there, in order)."""
-        # δ bounds how far an honest engine's logits differ from ours; the scores are logits / T.
-        delta = self.config.sample_tolerance / self.temperature
-        found = choice_gaps_of(scored, completion_mask, keys, rows, top_p=self.top_p, delta=delta,
-                               scale=self.config.peer_choice_scale / self.temperature)
-        figures = torch.stack([found.gap, found.outside.float(), found.evidence, found.positions.float()]).cpu()
+        (``found``: the re-derived choices of the members' rows, in order)."""
+        delta = self._delta
+        figures = torch.stack([found.gap.float(), found.outside.float(), found.evidence.float(),
+                               found.positions.float()]).cpu()
         start = 0
         for p in members:
             local = slice(start, start + len(p.rows))
@@ -455,17 +468,6 @@ class Verifier:
                             f"(δ / T = {delta:.3g})")
 
     @staticmethod
-    def _row_typicality(scores: TokenScores, mask: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per row: Σ (surprisal - entropy) and Σ variance, on the CPU (None without sampling statistics)."""
-        if scores.surprisal is None or scores.entropy is None or scores.variance is None:
-            return None, None
-        zero = torch.zeros_like(scores.surprisal)
-        excess = torch.where(mask, scores.surprisal - scores.entropy, zero).sum(dim=1)
-        variance = torch.where(mask, scores.variance, zero).sum(dim=1)
-        both = torch.stack([excess, variance]).cpu()
-        return both[0], both[1]
-
-    @staticmethod
     def _signed_z(excess: torch.Tensor, variance: torch.Tensor, rows: torch.Tensor) -> float:
         """The group's z, signed: below 0 when its text is more probable than sampling gives (colder)."""
         return float(excess[rows].sum() / torch.sqrt(variance[rows].sum() + VARIANCE_FLOOR))
@@ -479,6 +481,40 @@ class Verifier:
         return float(torch.maximum(per_row.max(), group))
 
     # -- older versions ------------------------------------------------------------------------
+    def _exact(self, version: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               completion_mask: torch.Tensor, keys: torch.Tensor | None) -> tuple[ExactFigures | None, bool]:
+        """Version ``version``'s figures for these rows, and whether `remote` computed them (a verifier
+        daemon); else the version's forward here; None when neither has the version."""
+        settings = ExactSettings(self.temperature, self.top_p, self.config.typicality_z is not None, self._delta,
+                                 self._scale)
+        if self.remote is not None:
+            try:
+                figures = self.remote(version, input_ids, attention_mask, completion_mask, keys, settings,
+                                      self._need_bytes(input_ids.shape[0], input_ids.shape[1]))
+            except CheckUnavailable as e:
+                logger.warning("verify: exact check of v%d unavailable: %s", version, e)
+                return None, False
+            if figures is not None:
+                return figures, True
+        with self._version_model(version) as model, torch.no_grad():
+            if model is None:
+                return None, False
+            return exact_figures(model, input_ids, attention_mask, completion_mask, keys, settings), False
+
+    def _need_bytes(self, rows: int, length: int) -> int:
+        """What a forward here would hold: the streamed model's buffers and a few copies of the logits."""
+        spare = self._streamed if self._streamed is not None else self._loose
+        if spare is None and self.make_spare is not None and not self._spares:
+            made = self.make_spare()
+            if isinstance(made, Streaming):
+                spare = self._streamed = made
+            else:
+                spare = self._loose = made
+        held = int(getattr(spare, "buffer_bytes", 0) or 0)
+        config = getattr(getattr(spare, "inner", spare), "config", None)
+        vocab = int(getattr(config, "vocab_size", 0) or 0)
+        return held + 3 * 4 * rows * length * vocab
+
     @contextmanager
     def _version_model(self, version: int) -> Iterator[torch.nn.Module | None]:
         """A model computing version ``version``'s logits within the block, or None when its weights are

@@ -43,6 +43,8 @@ MAX_VERSION = 10**12
 PeerState = Literal["starting", "syncing", "ready", "stopping"]
 PEER_STATES: tuple[str, ...] = ("starting", "syncing", "ready", "stopping")
 _PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
+PEER_ID_PATTERN = _PEER_ID.pattern  # a libp2p peer id's text (base58), as configs check one
+MAX_VERIFIERS = 8  # verifier daemons a head may list
 HEAD_FORMAT = "echo2swarm-head/1"
 # How far past its signed expiry a head may live in the DHT (clock skew between peers).
 HEAD_EXPIRY_SLACK_S = 5.0
@@ -185,7 +187,7 @@ class PeerCard(_PeerSigned, BaseModel):
     KIND: ClassVar[str] = "card"
 
     peer_id: str = Field(max_length=128)
-    role: Literal["learner", "rollout", "relay", "bootstrap"]
+    role: Literal["learner", "rollout", "relay", "verifier", "bootstrap"]
     price: float = Field(ge=0, le=10_000, allow_inf_nan=False, description="USD per hour")
     version: int | None = Field(None, ge=0, le=MAX_VERSION, description="policy version held; None: none yet")
     state: PeerState
@@ -345,6 +347,10 @@ class HeadRecord(_Strict):
     # look for cards. Absent from the signed bytes (and from the record) at 0, so a head of a swarm that
     # never deepened its shards is the same record daemons before shards existed sign and read.
     card_shard_bits: int = Field(0, ge=0, le=MAX_CARD_SHARD_BITS)
+    # Peer ids of the verifier daemons the learner has run its exact checks (learner/verifiers.py):
+    # signed, so a verifier serves only the learner that lists it. Absent from the record when empty.
+    verifiers: list[Annotated[str, Field(pattern=PEER_ID_PATTERN)]] = Field(default_factory=list,
+                                                                           max_length=MAX_VERIFIERS)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
 
     def _payload(self) -> bytes:
@@ -353,14 +359,19 @@ class HeadRecord(_Strict):
             exclude.add("chunk_url")
         if not self.maddrs:
             exclude.add("maddrs")
+        if not self.verifiers:
+            exclude.add("verifiers")
         return canonical_bytes(self.model_dump(mode="json", exclude=exclude))
 
     @model_serializer(mode="wrap")
     def _without_default_shards(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Every dump leaves out `card_shard_bits` at 0: the record daemons without card shards parse."""
+        """Every dump leaves out `card_shard_bits` at 0 and `verifiers` when empty: the record daemons
+        without card shards or verifiers parse."""
         out = handler(self)
         if out.get("card_shard_bits") == 0:
             del out["card_shard_bits"]
+        if out.get("verifiers") == []:
+            del out["verifiers"]
         return out
 
     def signed(self, key: PolicyKey) -> "HeadRecord":

@@ -5,6 +5,8 @@
         submit   stream of GroupSubmission ──────────► SubmitResult
     DIALBACK_RPC  served by every daemon, called by the reachability probe
         dialback DialbackRequest ────────────────────► DialbackReply
+    VERIFIER_RPC  served by verifier daemons, called by the learner whose head lists them
+        check    CheckRequest ───────────────────────► CheckFigures | CheckRefused
 
 Both ends derive from these declarations (overlay/rpc.py): `serve` registers an object's
 `rpc_<verb>` methods and refuses to start when one is missing; `RpcStub` gives a caller one method
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from echo2swarm.wire.checks import CheckFigures, CheckRefused, CheckRequest
 from echo2swarm.wire.reach import DialbackReply, DialbackRequest
 from echo2swarm.wire.work import GroupSubmission, Lease, LeaseRequest, LeaseWait, SubmitResult
 
@@ -93,4 +96,7 @@ LEARNER_RPC = Surface("learner", (
 ))
 DIALBACK_RPC = Surface("dialback", (
     Rpc("dialback", DialbackRequest, (DialbackReply,)),
+))
+VERIFIER_RPC = Surface("verifier", (
+    Rpc("check", CheckRequest, (CheckFigures, CheckRefused)),
 ))
