@@ -262,6 +262,18 @@ PUBLISH = Section(  # stats.publish: the newest version the learner published
     dicts={"kinds": counter("learner_versions_published_total", "Versions published, by kind: dense (keyframes) "
                             "or delta.", "kind")},
 )
+REMOTE_CHECKS = counter("learner_remote_checks_total", "Exact checks the learner sent to verifier daemons, by "
+                        "outcome: asked, answered, none_answered, no_room (the device had no room: a verifier was "
+                        "asked), declined_room (room enough: computed here), failed, refused_<reason>.", "outcome")
+VERIFIERS = Section(
+    keys={**{outcome: (REMOTE_CHECKS, outcome)
+             for outcome in ("asked", "answered", "none_answered", "no_room", "declined_room", "failed")},
+          "wait_s": _one(counter("learner_remote_check_wait_seconds_total",
+                                 "Seconds the trainer waited on verifier daemons for exact checks."))},
+    prefixes={"refused_": counter("learner_remote_checks_refused_total", "Exact checks verifier daemons refused, "
+                                  "by reason (not_listed, not_held, busy, failed).", "reason")},
+    ignore=frozenset({"offload", "by_peer"}),  # the setting; per verifier: /v1/info
+)
 LEARNER = Section(
     keys={
         "steps_done": _one(counter("learner_steps_total", "Training steps done.")),
@@ -275,12 +287,24 @@ LEARNER = Section(
         "dropped": counter("learner_groups_dropped_total", "Accepted groups dropped unused: stale (past S), "
                            "overflow, banned.", "reason"),
     },
-    sections={"leases": LEASES, "peers": LEDGER, "capacity": CAPACITY, "publish": PUBLISH},
+    sections={"leases": LEASES, "peers": LEDGER, "capacity": CAPACITY, "publish": PUBLISH, "verifiers": VERIFIERS},
     # versions: per version (/v1/info and `peers`); the newest one's figures are under publish
     ignore=frozenset({"published_version", "t_bcast", "t_bcast_unreported", "versions"}),
 )
 
-# -- rollout and relay peers --------------------------------------------------------------------
+# -- rollout, relay and verifier peers -------------------------------------------------------------
+CHECKS = Section(  # a verifier daemon's exact checks for its learner (stats.checks)
+    keys={
+        "served": _one(counter("verifier_checks_served_total", "Exact checks this verifier computed for its learner.")),
+        "rows": _one(counter("verifier_check_rows_total", "Completions (rows) in those checks.")),
+        "tokens": _one(counter("verifier_check_tokens_total", "Prompt and completion tokens in those checks.")),
+        "compute_s": _one(counter("verifier_check_seconds_total", "Seconds of those checks' forwards.")),
+        "waiting": _one(gauge("verifier_checks_waiting", "Checks queued behind the one running.")),
+    },
+    prefixes={"refused_": counter("verifier_checks_refused_total", "Exact checks refused, by reason: not_listed (the "
+                                  "caller is not the learner whose head lists us), not_held, busy, failed.", "reason")},
+    ignore=frozenset({"device"}),
+)
 FOLLOWER = Section(
     keys={
         "rollouts_per_s": _one(gauge("rollout_rollouts_per_second", "mu: this peer's measured rollouts per second.")),
@@ -298,7 +322,7 @@ FOLLOWER = Section(
                                   "the version held), chain (several), composite, keyframe (dense).", "path"),
            "engine_busy_s": counter("rollout_engine_busy_seconds_total", "The engine's own compute seconds, by work: "
                                     "generate, load (new weights).", "work")},
-    sections={"worker": WORKER, "fetch": FETCH},
+    sections={"worker": WORKER, "fetch": FETCH, "checks": CHECKS},
     ignore=frozenset({"engine", "engine_pid", "fetched_from", "arrival_s", "trusted_key", "fetch_path_of"}),
 )
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from helpers.swarm import LocalSwarm, http_json, learner_toml, read_metrics, wait_until
 
+from echo2swarm.daemon.metric_names import unmapped
+
 # 900 s: the first test of a session to ask for warm_model_dir builds it (minutes on a busy 2-core box).
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(900)]
 PACED = {"ECHO2SWARM_WORKER__MAX_ROLLOUTS_PER_S": "40", "ECHO2SWARM_ENGINE__THREADS": "1"}
@@ -25,15 +27,21 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     from echo2swarm.wire.signing import PolicyKey
 
     staleness = 1
-    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness)
     local_swarm.bootstrap()
+    trust = Path(f"{policy_key}.pub")
+    # A verifier daemon computes the exact checks of older versions (offload = always): the learner's
+    # signed head lists it, and every group one version old is checked there (sample_fraction 1).
+    verifier = local_swarm.start("verifier", "--role", "verifier", "--trust", str(trust), "--device", "cpu",
+                                 env={"ECHO2SWARM_CHECK__THREADS": "1"})
+    verifier_id = local_swarm.ready(verifier)["peer_id"]
+    config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=30, staleness=staleness,
+                          sections={"verify": {"verifiers": [verifier_id], "offload": "always", "sample_fraction": 1.0}})
     # Every peer must get work here (the slow one is the one killed): no cost-aware standby.
     learner = local_swarm.start("learner", "--config", str(config), env={"ECHO2SWARM_ACTIVATION__ENABLED": "false"})
     # A second learner with another key in the same swarm: pinned rollout peers must not work for it.
     rogue_key = tmp_path / "rogue.key"
     PolicyKey.generate().save(rogue_key)
     rogue = local_swarm.start("rogue", "--config", str(learner_toml(tmp_path / "rogue.toml", tiny_model_dir, rogue_key)))
-    trust = Path(f"{policy_key}.pub")
     # Both peers paced: the steps left after the kill then take the survivor alone longer than the
     # 5 s lease timeout however fast the machine, so the killed peer's lease must expire and be
     # re-issued before training can end (unpaced, a fast box finished first and nothing expired).
@@ -76,6 +84,14 @@ def test_training_respects_staleness_and_survives_a_killed_rollout_peer(
     # re-derived the choices of those of each step's own version without refusing one (protocol.md §10.4.1).
     assert "unseeded" not in end["refused"]
     assert sum(r["verify_choices"] for r in records) > 0 and not any(r["verify_refused"] for r in records)
+    # The groups one version old were checked exactly on the verifier daemon, over libp2p, and it
+    # computed for this learner only (the rogue's head does not list it).
+    remote = sum(r["verify_remote"] for r in records)
+    verifier_info = http_json(verifier.info["chunk_url"] + "/v1/info")
+    assert unmapped(verifier_info) == []  # every figure a verifier counts is on its /metrics
+    checks = verifier_info["stats"]["checks"]
+    assert remote > 0 and checks["served"] > 0 and checks["rows"] >= 4 * remote, (remote, checks)
+    assert checks.get("refused_not_listed", 0) == 0 and checks.get("refused_failed", 0) == 0
     assert (learner.state_dir / "run" / "final" / "config.json").exists()
     rogue_stats = http_json(rogue.info["chunk_url"] + "/v1/info")["stats"]
     assert rogue_stats["accepted"] == 0 and rogue_stats["steps_done"] == 0

@@ -172,3 +172,8 @@ def test_the_learner_offloads_by_its_rule_and_counts_what_it_could_not_check(
     fallback = remote_for(lab, loop, gone, offload="always")
     result = lab.check(remote_verifier(lab, fallback, sample_fraction=1.0), groups)
     assert result.exact == 3 and result.remote == 0 and result.unavailable == 0
+    # What both sides count is exported on /metrics, every key of it.
+    from echo2swarm.daemon.metric_names import unmapped
+
+    assert unmapped({"role": "learner", "stats": {"verifiers": nowhere.snapshot()}}) == []
+    assert unmapped({"role": "verifier", "stats": {"checks": gone.snapshot()}}) == []
