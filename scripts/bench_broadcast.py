@@ -36,6 +36,11 @@ written, read from their stores every 20 ms), its parts (relays' own head-seen -
 the rest: the head's way to them), the learner's chunk-server bytes while v was newest, each relay's
 bytes fetched for v, and dense/delta in the same run.
 
+Every row also prints what `echo2swarm simulate`'s broadcast model predicts for the same swarm
+(sim/broadcast.py `lab_broadcast`: the same N, M, chunk size, stripes and caps, the learner's real
+stripe-and-chain plan; in the WAN lab the homes and how many of them punched as measured) and the
+model over the measurement: the calibration of the simulator against real daemons (issue 35).
+
 `--wan`: the Fig. 4 comparison inside the WAN lab (tests/helpers/wanlab.py; root, ip netns, tc,
 iptables): a fresh lab per (N, mode) with a public bootstrap and learner, N relay receivers of which
 3 of every 4 are in their own home behind a NAT router (N = 2: 1 + 1), every uplink capped by the
@@ -64,11 +69,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from echo2swarm.config.models import auto_chunk_size  # noqa: E402
+from echo2swarm.config.models import PublishConfig, auto_chunk_size  # noqa: E402
 from echo2swarm.config.units import format_bytes, parse_bytes  # noqa: E402
 from echo2swarm.runtime.processes import DaemonProcess, child_pids, loopback_args, pid_alive, wait_until  # noqa: E402
+from echo2swarm.sim.broadcast import lab_broadcast  # noqa: E402
 
 SWARM = "bench-bcast"
+SEEDS = PublishConfig().seeds  # the learner's stripes (its default publish.seeds), as the model is told
+# On 127.0.0.1 only the uplinks are capped (--upload-limit); downloads run at what the CPU gives: the
+# model takes them as unlimited (10 GB/s).
+LOOPBACK_DOWN_BPS = 1e10
 
 
 def write_model(path: Path, target_bytes: int) -> int:
@@ -649,6 +659,10 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
                        public_relay_copies=[b / model_bytes for b in row["public_relay_uplink_bytes"]],
                        bootstrap_copies=row["bootstrap_uplink_bytes"] / model_bytes,
                        home_copies=[b / model_bytes for b in row["home_uplink_bytes"]])
+            chunk = auto_chunk_size(model_bytes) if args.chunk_size == "auto" else parse_bytes(args.chunk_size)
+            row["sim_s"] = lab_broadcast(n, model_bytes, chunk, bandwidth, args.wan_down_mbit * 1e6 / 8, SEEDS,
+                                         star=mode == "star", homes=row["nat"],
+                                         punching=sum(bool(h) for h in row["holepunch"]), relay_bps=bandwidth)
             rows.append(row)
             print(f"  {mode:>9} N={n:<2} ({row['nat']} NAT) T_bcast {row['t_bcast_s']:7.2f} s ({row['ratio']:.2f}x M/B)  "
                   f"learner uplink {row['learner_copies']:.2f} M, public relay(s) "
@@ -664,12 +678,14 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
     print(f"\nWAN lab, M = {format_bytes(model_bytes)}, every uplink B = {args.wan_up_mbit:g} Mbit/s "
           f"(tbf), ideal M/B = {ideal:.2f} s; uplink bytes are the lab's interface counters (all traffic)")
     print(f"{'N':>3} {'NAT':>3} {'mode':>9} {'T_bcast s':>10} {'x M/B':>6} {'first s':>8} {'learner up':>11} "
-          f"{'public relay up':>16} {'bootstrap up':>13} {'homes up (sum)':>15} {'punch':>6} {'h-h direct':>10}")
+          f"{'public relay up':>16} {'bootstrap up':>13} {'homes up (sum)':>15} {'punch':>6} {'h-h direct':>10} "
+          f"{'model s':>8} {'model/meas':>10}")
     for r in rows:
         pub = "+".join(f"{c:.2f}" for c in r["public_relay_copies"])
         print(f"{r['n']:>3} {r['nat']:>3} {r['mode']:>9} {r['t_bcast_s']:>10.2f} {r['ratio']:>6.2f} {r['t_first_s']:>8.2f} "
               f"{r['learner_copies']:>9.2f} M {pub:>14} M {r['bootstrap_copies']:>11.2f} M {sum(r['home_copies']):>13.2f} M "
-              f"{sum(bool(h) for h in r['holepunch']):>3}/{r['nat']:<2} {r['direct_home_links']:>10}")
+              f"{sum(bool(h) for h in r['holepunch']):>3}/{r['nat']:<2} {r['direct_home_links']:>10} "
+              f"{r['sim_s']:>8.2f} {r['sim_s'] / r['t_bcast_s']:>9.2f}x")
     for n in receivers:
         by_mode = {r["mode"]: r for r in rows if r["n"] == n}
         if len(by_mode) == 2:
@@ -783,6 +799,8 @@ def main() -> None:
                 if not args.keep:  # N peers x 2 copies of M each: in /dev/shm that is RAM the next run needs
                     shutil.rmtree(run_dir, ignore_errors=True)
                 row.update(ideal_s=ideal, ratio=row["t_bcast_s"] / ideal, learner_copies=row["learner_bytes"] / model_bytes)
+                row["sim_s"] = lab_broadcast(n, model_bytes, parse_bytes(args.chunk_size), bandwidth, LOOPBACK_DOWN_BPS,
+                                             SEEDS, star=mode == "star")
                 rows.append(row)
                 print(f"  {mode:>9} N={n:<3} T_bcast {row['t_bcast_s']:7.2f} s  ({row['ratio']:.2f}x ideal)  "
                       f"learner uploaded {row['learner_copies']:.2f} M  CPU s: relay {row['relay_cpu_s']:.1f} (mean, "
@@ -794,11 +812,12 @@ def main() -> None:
     else:
         print(f"\nM = {format_bytes(model_bytes)}, B = {format_bytes(bandwidth)}/s, ideal M/B = {ideal:.2f} s")
         print(f"{'N':>3} {'mode':>9} {'T_bcast s':>10} {'x ideal':>8} {'learner T_bcast s':>18} {'first s':>8} "
-              f"{'learner upload':>15}")
+              f"{'learner upload':>15} {'model s':>8} {'model/meas':>10}")
         for r in rows:
             t_l = f"{r['t_bcast_learner_s']:.2f}" if r["t_bcast_learner_s"] is not None else "-"
             print(f"{r['n']:>3} {r['mode']:>9} {r['t_bcast_s']:>10.2f} {r['ratio']:>8.2f} {t_l:>18} "
-                  f"{r['t_first_s']:>8.2f} {r['learner_copies']:>13.2f} M")
+                  f"{r['t_first_s']:>8.2f} {r['learner_copies']:>13.2f} M {r['sim_s']:>8.2f} "
+                  f"{r['sim_s'] / r['t_bcast_s']:>9.2f}x")
         for r in rows:
             print(f"N={r['n']} {r['mode']}: {hedge_line(r['hedges'])}")
         for n in receivers:

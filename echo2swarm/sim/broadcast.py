@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass, field
 
 from echo2swarm.policy.broadcast_plan import NatPeer, direct_edge, plan_chains
-from echo2swarm.sim.population import Peer
+from echo2swarm.sim.population import Peer, fake_peer_id
 
 LEARNER = "learner"
 
@@ -96,4 +96,23 @@ def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_
     return out
 
 
-__all__ = ["LEARNER", "Spread", "spread"]
+def lab_broadcast(receivers: int, version_bytes: float, chunk_bytes: float, up_bps: float, down_bps: float,
+                  seeds: int, *, star: bool = False, homes: int = 0, punching: int = 0, rtt_s: float = 0.0005,
+                  relay_bps: float = float("inf")) -> float:
+    """The model's T_bcast for bench_broadcast's swarms (the calibration of issue 35): `receivers` relays,
+    every uplink (the learner's too) `up_bps`, downlinks `down_bps`; the last `homes` of them behind NAT,
+    `punching` of those hole-punched. `star`: every relay from the learner alone (`--no-peer-assist`).
+    Seconds from the head's publication until the last relay holds the version, plus a head and a
+    manifest round trip."""
+    peers = [Peer(fake_peer_id(i), "lab", down_bps, up_bps, rtt_s, 0.0, 0.0) for i in range(receivers)]
+    for k, peer in enumerate(peers[receivers - homes:]):
+        peer.nat = "holepunch" if k < punching else "relayed"
+    overhead = 2 * rtt_s
+    if star:
+        return overhead + max(p.rtt_s + version_bytes / min(p.down_bps, up_bps / receivers) for p in peers)
+    version = spread(peers, version_bytes, chunk_bytes, up_bps, seeds, relay_bps, source_wait_s=10.0,
+                     churn_per_hour=0.0)
+    return overhead + max(version.arrival.values())
+
+
+__all__ = ["LEARNER", "Spread", "lab_broadcast", "spread"]

@@ -7,12 +7,13 @@ import json
 import math
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from echo2swarm.cli.main import cli
 from echo2swarm.overlay.dht_keys import shard_of
 from echo2swarm.policy.broadcast_plan import MAX_PLAN_ENTRIES
-from echo2swarm.sim.broadcast import spread
+from echo2swarm.sim.broadcast import lab_broadcast, spread
 from echo2swarm.sim.control import refresh_reads, steady_depth
 from echo2swarm.sim.dht import SimDHT
 from echo2swarm.sim.population import MBIT, draw_peers, fake_peer_id
@@ -53,6 +54,21 @@ def test_a_version_reaches_every_peer_once_from_the_learner_along_the_real_plan(
     assert out.planned == out.chain_length == MAX_PLAN_ENTRIES // 2  # the plan's cap: the rest from holders
     chain = out.chains[0]
     assert all(out.arrival[a] <= out.arrival[b] + 1e-9 or b == chain[0] for a, b in zip(chain[1:], chain[2:]))
+
+
+def test_the_lab_model_is_the_benchs_swarm_star_linear_and_pipelined_near_one_copy_time() -> None:
+    # bench_broadcast's loopback swarm (scripts/bench_broadcast.py prints this beside each measurement).
+    m, b, chunk = 136.2 * 2**20, 16 * 2**20, 2**20
+    ideal = m / b
+    assert lab_broadcast(1, m, chunk, b, 1e10, 2) == pytest.approx(ideal, rel=0.01)
+    for n in (2, 4, 8):
+        assert lab_broadcast(n, m, chunk, b, 1e10, 2, star=True) == pytest.approx(n * ideal, rel=0.01)
+        pipelined = lab_broadcast(n, m, chunk, b, 1e10, 2)
+        # the learner's one copy, then each hop of the chain a chunk behind its parent
+        assert ideal < pipelined < ideal + (n + 1) * chunk / (b / 2)
+    # Homes that do not punch fetch through a relay capped below their parent's share: slower.
+    homes = lab_broadcast(8, m, chunk, b, 1e10, 2, homes=6, punching=0, relay_bps=b / 4)
+    assert homes > lab_broadcast(8, m, chunk, b, 1e10, 2, homes=6, punching=6, relay_bps=b / 4)
 
 
 def test_card_shards_keep_each_nodes_traffic_flat_where_one_key_does_not() -> None:
