@@ -11,6 +11,7 @@ import click
 from echo2swarm.cli._common import fail
 
 _COLUMNS = (("peers", "N", "{:,}"), ("design", "design", "{}"), ("card_shard_bits", "bits", "{}"),
+            ("plan", "plan", "{}"), ("fanout", "f", "{}"), ("chain_length", "hops", "{}"),
             ("t50_s", "t50 s", "{:.0f}"), ("t90_s", "t90 s", "{:.0f}"), ("t99_s", "t99 s", "{:.0f}"),
             ("learner_copies", "copies", "{:.2f}"), ("busy", "busy", "{:.0%}"),
             ("usd_per_step", "$/step", "{:.3f}"), ("active", "active", "{:,}"), ("planned", "planned", "{:,}"),
@@ -65,6 +66,9 @@ def _designs(ctx: Any, param: Any, value: str) -> list[str]:
 @click.option("--plan-min-uplink-mbps", type=click.FloatRange(0, 1e6), default=0.0, show_default=True,
               help="What-if, not built: only peers with this uplink or more in the broadcast plan, the others "
               "fetching from holders as leaves. 0: the plan as the learner makes it.")
+@click.option("--plan-shape", type=click.Choice(["auto", "chains", "trees"]), default=None,
+              help="The broadcast plan's shape (make_plan). Default: the design's (today: chains; shards: auto, "
+              "trees from 64 receivers).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Draw of the peers (same seed, same swarm).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per swarm (a list when several).")
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=Path("simulate.png"),
@@ -72,7 +76,7 @@ def _designs(ctx: Any, param: Any, value: str) -> list[str]:
 def simulate(peer_counts: list[int], designs: list[str], nat_share: float, holepunch_share: float,
              churn_per_hour: float, params: float, dtype_bytes: int, delta_ratio: float, learner_uplink_mbps: float,
              relay_mbps: float, rollouts_per_step: int, t_train_s: float, l_gen_s: float, plan_min_uplink_mbps: float,
-             seed: int, as_json: bool, plot: Path) -> None:
+             plan_shape: str | None, seed: int, as_json: bool, plot: Path) -> None:
     """Simulate swarms of N rollout peers: time until a version reaches 50/90/99 % of the active peers,
     learner upload in copies, learner busy share, $ a step, and the DHT traffic per node. The links are
     modelled (docs/benchmarks.md, "Simulated swarms"); the shards, broadcast plan, capacity floor and
@@ -95,7 +99,7 @@ def simulate(peer_counts: list[int], designs: list[str], nat_share: float, holep
                     churn_per_hour=churn_per_hour, params=params, dtype_bytes=dtype_bytes, delta_ratio=delta_ratio,
                     learner_uplink_mbps=learner_uplink_mbps, relay_mbps=relay_mbps,
                     rollouts_per_step=rollouts_per_step, t_train_s=t_train_s, l_gen_s=l_gen_s,
-                    plan_min_uplink_mbps=plan_min_uplink_mbps, seed=seed)))
+                    plan_min_uplink_mbps=plan_min_uplink_mbps, plan_shape=plan_shape, seed=seed)))
             except ValueError as e:
                 fail(str(e))
     if as_json:

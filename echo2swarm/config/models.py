@@ -449,7 +449,11 @@ class PublishConfig(StrictModel):
     seeds: int = Field(
         2, ge=1, le=16,
         description="Peers the learner uploads each version to first (stripes of the broadcast plan); "
-        "the rest flows peer to peer along chains.",
+        "the rest flows peer to peer along chains or trees.",
+    )
+    plan_shape: Literal["auto", "chains", "trees"] = Field(
+        "auto", description="Broadcast plan per stripe: a chain through every peer, or a tree over the fastest "
+        "(protocol.md §5.5); auto: trees from 64 planned peers. chains: for swarms with daemons older than trees.",
     )
     cards_refresh_s: float | None = Field(
         None, gt=0, le=60, description="Seconds between the learner's reads of the peer cards while a version "

@@ -1,6 +1,6 @@
 """The learner's side of dissemination: plan each version's broadcast, and measure T_bcast.
 
-    publish v ─► plan(v): chains over the follower cards seen lately, signed ─► served at /v1/plan/v
+    publish v ─► plan(v): chains or trees over the follower cards seen lately, signed ─► served at /v1/plan/v
     cards (every refresh) ─► arrivals of v at every peer of plan(v) ─► T_bcast(v) = the slowest one
 
 T_bcast(v) is the time until every peer the plan covered holds v (or a newer version it skipped
@@ -18,7 +18,9 @@ Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_card
 plan puts the followers seen doing work (groups the intake accepted from them) first, in the order
 of their uplinks (`planned_upload`: measured, within the cap; self-reported like every card field),
 and at most MAX_UNPROVEN others after them, towards the tail of every chain, where a card that leads
-nowhere (anyone can sign cards with fresh keys) holds up no proven peer.
+nowhere (anyone can sign cards with fresh keys) holds up no proven peer; in a tree they forward only
+on a quarter of the cap they claim (policy/broadcast_plan.py `plan_tree`). A planned peer that never
+reports a version is planned last, with no uplink counted, for the next DEMOTE_VERSIONS versions.
 
 The evidence is published too: every refresh, the peers whose delivered groups grew are noted with
 the overlay (`saw_work`), which reads their cards by their own keys first; every announce period
@@ -36,13 +38,13 @@ from collections.abc import Callable, Collection, Mapping
 
 from echo2swarm.overlay.node import Overlay
 from echo2swarm.wire.records import PeerCard
-from echo2swarm.policy.broadcast_plan import make_plan, nat_peers
+from echo2swarm.policy.broadcast_plan import MAX_UNPROVEN, make_plan, nat_peers
 from echo2swarm.wire.signing import PolicyKey
 from echo2swarm.runtime.logging import get_logger
 
 logger = get_logger(__name__)
 KEEP_PLANS = 16
-MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
+DEMOTE_VERSIONS = 16  # versions for which a planned peer that never reported one is planned last
 REPORT_WAIT_S = 30.0  # a receiver silent about v this long after its publish...
 REPORT_WAIT_FACTOR = 3.0  # ...and this many times the slowest reported arrival of v is left out of T_bcast(v)
 REPORT_WAIT_MAX_S = 600.0  # one whose card says it is fetching v (or newer) is waited for this long at most
@@ -60,7 +62,7 @@ def planned_upload(card: PeerCard) -> int | None:
 class BroadcastTracker:
     def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float, ewma_alpha: float,
                  clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: (),
-                 delivered: Callable[[], Mapping[str, int]] = dict):
+                 delivered: Callable[[], Mapping[str, int]] = dict, shape: str = "auto"):
         self.overlay = overlay
         self.delivered = delivered  # groups accepted per peer so far (the intake's tally): evidence of work
         self._delivered_seen: dict[str, int] = {}
@@ -68,6 +70,7 @@ class BroadcastTracker:
         self.excluded = excluded  # peers never planned as receivers or parents (the learner banned them)
         self.key = key
         self.seeds = seeds
+        self.shape = shape  # publish.plan_shape: chains, trees, or auto (trees from TREE_FROM receivers)
         self.refresh_s = refresh_s
         self.cards: list[PeerCard] = []
         self.plans: OrderedDict[int, bytes] = OrderedDict()
@@ -79,6 +82,9 @@ class BroadcastTracker:
         self.unreported: OrderedDict[int, int] = OrderedDict()  # version -> receivers left out of T_bcast(v)
         self.unreported_total = 0  # receivers left out, over every settled version
         self._silent_logged: list[str] = []
+        # Per settled version (the last DEMOTE_VERSIONS), the planned peers that never reported it: planned
+        # last (no uplink counted) while they are in there, so none forwards a stripe to others again soon.
+        self.silent: OrderedDict[int, frozenset[str]] = OrderedDict()
 
     def followers(self) -> list[PeerCard]:
         excluded = self.excluded()
@@ -88,10 +94,12 @@ class BroadcastTracker:
     def plan(self, version: int) -> bytes:
         """Plan the broadcast of `version` over the followers seen lately; kept for /v1/plan/{version}."""
         undialable = {c.peer_id for c in self.cards if c.reachability == "private"}  # NAT'd, no relay slot yet
-        receivers = [r for r in self.receivers() if r[0] not in undialable]
+        demoted = self.demoted()
+        receivers = [(p, 0 if p in demoted else bps) for p, bps in self.receivers() if p not in undialable]
         plan = make_plan(self.key, self.overlay.config.swarm, version, self.overlay.peer_id, receivers, self.seeds,
                          nat=nat_peers(self.cards),  # direct edges first; relayed ones load their relay too
-                         proven=self._proven())  # peers seen working ahead of the rest, whatever they claim
+                         proven=self._proven() - demoted,  # peers seen working ahead of the rest, whatever they claim
+                         shape=self.shape)  # type: ignore[arg-type]
         data = plan.to_bytes()
         self.plans[version] = data
         self._receivers[version] = {peer for peer, _ in receivers}
@@ -105,6 +113,10 @@ class BroadcastTracker:
             self._receivers.popitem(last=False)
             self._published.pop(oldest, None)
         return data
+
+    def demoted(self) -> set[str]:
+        """Peers planned for one of the last DEMOTE_VERSIONS versions that never reported it."""
+        return set().union(*self.silent.values()) if self.silent else set()
 
     def _proven(self) -> set[str]:
         worked_fn = getattr(self.overlay, "worked", None)  # overlays without work tracking (test doubles): none proven
@@ -178,6 +190,9 @@ class BroadcastTracker:
                 return  # a receiver on its way, or nobody at all yet: wait longer
         if not reported and not silent:
             return  # no live receiver: never measured
+        self.silent[version] = frozenset(c.peer_id for c in silent)  # settled: who never reported it
+        while len(self.silent) > DEMOTE_VERSIONS:
+            self.silent.popitem(last=False)
         if silent:
             del self._published[version]  # settled: not looked at again
             self.unreported[version] = len(silent)

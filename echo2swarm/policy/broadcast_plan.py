@@ -1,7 +1,18 @@
-"""The learner's broadcast plan: which peer each peer fetches each chunk from (stripe, then chain).
+"""The learner's broadcast plan: which peer each peer fetches each chunk from (stripe, then chain or tree).
 
     learner ──stripe 0──► p0 ─► p2 ─► p3 ─► p1        chunk i belongs to stripe i mod s;
             ──stripe 1──► p2 ─► p0 ─► p3 ─► p1        each peer fetches it from its predecessor
+
+Chains suit small swarms: every peer uploads one copy, but a chunk crosses every hop, so the last of N
+peers waits N chunk times, and the chain runs at its slowest uplink. Past `TREE_FROM` receivers the
+plan is a tree per stripe (`TreeLayout`): one ranked list of the peers, stripe i a rotation of it read
+as a heap of fan-out f (position p's parent is position (p - 1) // f, position 0's the learner). The
+first ceil((n - 1) / f) positions of each rotation are the stripe's interior, f children each; the
+rotations make the s interior sets disjoint (f >= s), so each interior peer forwards one stripe f times
+(f / s copies of the version) and every other peer only receives: a version crosses log_f(n) hops, and
+the peers with the fastest claimed uplinks, proven ones first, carry it.
+
+    ranked a b c d e ..., s = 2, f = 4: order a c b d e ...; stripe 0: a ─► c b d e, c ─► ...; stripe 1: b ─► d e ...
 
 The learner uploads every chunk once, to the head of its stripe's chain (`publish.seeds` stripes);
 each peer forwards what it has verified to the next one while still fetching the rest, so the
@@ -31,22 +42,50 @@ after publication use holders only.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler, ValidationError, model_serializer,
+    model_validator,
+)
 
 from echo2swarm.wire.records import MAX_VERSION, PeerCard
 from echo2swarm.wire.signing import DOMAIN_PLAN, PolicyKey, PublicKey, canonical_bytes
 
 MAX_PLAN_BYTES = 256 * 1024
-MAX_PLAN_ENTRIES = 4096  # stripes x peers; at ~55 bytes per peer id this stays under MAX_PLAN_BYTES
+MAX_PLAN_ENTRIES = 4096  # peer ids in a plan (stripes x peers for chains); at ~55 bytes each under MAX_PLAN_BYTES
+MAX_FANOUT = 64
+TREE_FROM = 64  # receivers from which `make_plan(shape="auto")` plans trees instead of chains
+UNCAPPED_BPS = 1.25e9  # what a card without an upload cap counts for when interior peers are chosen (10 Gbit/s)
+UNPROVEN_SHARE = 0.25  # the share of its claimed uplink a peer not seen working counts for there
+MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
 _PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 
 
 class PlanError(ValueError):
     pass
+
+
+class TreeLayout(BaseModel):
+    """Stripe trees over one ranked list (module docstring): stripe i is `order` rotated by i x the
+    interior size, read as a heap of fan-out `fanout`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    order: list[Annotated[str, Field(pattern=_PEER_ID)]] = Field(min_length=1, max_length=MAX_PLAN_ENTRIES)
+    stripes: int = Field(ge=1, le=16)
+    fanout: int = Field(ge=2, le=MAX_FANOUT)
+
+    @property
+    def interior(self) -> int:
+        """Positions with children in each stripe's heap."""
+        return max(1, math.ceil((len(self.order) - 1) / self.fanout))
+
+    def offset(self, stripe: int) -> int:
+        return stripe * self.interior % len(self.order)
 
 
 class BroadcastPlan(BaseModel):
@@ -57,14 +96,61 @@ class BroadcastPlan(BaseModel):
     version: int = Field(ge=1, le=MAX_VERSION)
     publisher: str = Field(pattern=_PEER_ID)
     stripes: list[list[Annotated[str, Field(pattern=_PEER_ID)]]] = Field(max_length=16)
+    # Trees instead of chains (then `stripes` is empty). Absent from the record and the signed bytes when
+    # null: a chain plan is the record daemons before trees existed sign and read.
+    tree: TreeLayout | None = None
     public_key: str = Field(max_length=80)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
+    _index: dict[str, int] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "BroadcastPlan":
+        if self.tree is not None and self.stripes:
+            raise ValueError("a plan has chains (stripes) or a tree, not both")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_tree(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tree") is None:
+            out.pop("tree", None)
+        return out
 
     def _payload(self) -> bytes:
         return canonical_bytes(self.model_dump(mode="json", exclude={"signature"}))
 
+    @property
+    def stripe_count(self) -> int:
+        return self.tree.stripes if self.tree is not None else len(self.stripes)
+
+    def places(self, peer_id: str) -> bool:
+        """Whether the plan names `peer_id` (a fetcher it does not place uses holders only)."""
+        if self.tree is not None:
+            return peer_id in self._positions()
+        return any(peer_id in chain for chain in self.stripes)
+
+    def _positions(self) -> dict[str, int]:
+        if self._index is None:
+            assert self.tree is not None
+            self._index = {peer: i for i, peer in enumerate(self.tree.order)}
+        return self._index
+
+    def _tree_parent(self, index: int, stripe: int) -> int | None:
+        """The `order` index of the tree parent of the peer at `order` index `index` (None: the publisher)."""
+        tree = self.tree
+        assert tree is not None
+        n, base = len(tree.order), tree.offset(stripe)
+        position = (index - base) % n
+        return None if position == 0 else (base + (position - 1) // tree.fanout) % n
+
     def parent(self, peer_id: str, chunk_index: int) -> str | None:
         """Whom `peer_id` should fetch chunk `chunk_index` from: a peer, the publisher, or None (not in the plan)."""
+        if self.tree is not None:
+            index = self._positions().get(peer_id)
+            if index is None:
+                return None
+            up = self._tree_parent(index, chunk_index % self.tree.stripes)
+            return self.publisher if up is None else self.tree.order[up]
         if not self.stripes:
             return None
         chain = self.stripes[chunk_index % len(self.stripes)]
@@ -74,16 +160,49 @@ class BroadcastPlan(BaseModel):
             return None
         return self.publisher if position == 0 else chain[position - 1]
 
+    def edges(self) -> list[list[tuple[str, str | None]]]:
+        """Per stripe, (peer, its parent or None for the publisher), every parent before its children."""
+        if self.tree is None:
+            return [[(peer, chain[k - 1] if k else None) for k, peer in enumerate(chain)] for chain in self.stripes]
+        tree, out = self.tree, []
+        n = len(tree.order)
+        for stripe in range(tree.stripes):
+            base = tree.offset(stripe)
+            rows = []
+            for position in range(n):
+                index = (base + position) % n
+                up = self._tree_parent(index, stripe)
+                rows.append((tree.order[index], None if up is None else tree.order[up]))
+            out.append(rows)
+        return out
+
     def upstream(self, peer_id: str, depth: int) -> list[str]:
         """The peers before `peer_id` in its chains, at most `depth` a chain, nearest first, the publisher
         left out: its parents, and those it falls back on when a parent fails (they hold the version
         before it does). Empty when `peer_id` is not in the plan."""
+        if self.tree is not None:
+            return self._tree_upstream(peer_id, depth)
         placed = [(chain, chain.index(peer_id)) for chain in self.stripes if peer_id in chain]
         out: dict[str, None] = {}
         for hop in range(1, depth + 1):
             for chain, position in placed:
                 if position >= hop:
                     out.setdefault(chain[position - hop])
+        return list(out)
+
+    def _tree_upstream(self, peer_id: str, depth: int) -> list[str]:
+        assert self.tree is not None
+        index = self._positions().get(peer_id)
+        if index is None:
+            return []
+        out: dict[str, None] = {}
+        cursors: list[int | None] = [index] * self.tree.stripes
+        for _ in range(depth):
+            for stripe, at in enumerate(cursors):
+                up = None if at is None else self._tree_parent(at, stripe)
+                cursors[stripe] = up
+                if up is not None and self.tree.order[up] != peer_id:
+                    out.setdefault(self.tree.order[up])
         return list(out)
 
     def to_bytes(self) -> bytes:
@@ -186,14 +305,72 @@ def _chains(receivers: Sequence[tuple[str, int | None]], seeds: int, tier: Mappi
     return [[head] + [p for p in order if p != head] for head in heads]
 
 
+def plan_tree(receivers: Sequence[tuple[str, int | None]], seeds: int, undialable: Collection[str] = (),
+              nat: Mapping[str, NatPeer] | None = None, proven: Collection[str] | None = None) -> TreeLayout | None:
+    """Stripe trees over `receivers` (module docstring); None when no receiver is dialable.
+
+    Interior peers are ranked by NAT tier (public, hole-punching, relayed: children dial their parent),
+    then by the uplink they count for: a peer in `proven` its claim (`UNCAPPED_BPS` without a cap),
+    any other only `UNPROVEN_SHARE` of the cap it claims, and nothing without one (identities and
+    claims are free; the broadcast tracker leaves peers that did not report a version they were
+    planned for out of `receivers`' interior for a while: learner/broadcast_tracker.py). The fan-out f (a
+    multiple of the stripes, at most `MAX_FANOUT`) is the one whose interior's slowest member
+    forwards its f / s copies soonest: a swarm of equal uplinks gets f = s, one with few fast peers
+    a wide fan-out over them. The leaves follow, peers seen working first, so a plan cut at
+    MAX_PLAN_ENTRIES keeps them.
+    """
+    nat = dict(nat or {})
+    undialable = set(undialable) | {p for p, n in nat.items() if not n.relays and not n.holepunch}
+    receivers = [r for r in receivers if r[0] not in undialable]
+    if not receivers:
+        return None
+    stripes = max(1, min(seeds, 16, len(receivers)))
+
+    def counts(r: tuple[str, int | None]) -> float:
+        peer, bps = r
+        if proven is None or peer in proven:
+            return max(float(bps) if bps is not None else UNCAPPED_BPS, 1.0)
+        return max(float(bps or 0) * UNPROVEN_SHARE, 1.0)  # no cap claimed: nothing to count on
+
+    tier = {p: 0 if p not in nat else 1 if nat[p].holepunch else 2 for p, _ in receivers}
+    unproven = {p: proven is not None and p not in proven for p, _ in receivers}
+    ranked = sorted(receivers, key=lambda r: (tier[r[0]], -counts(r), unproven[r[0]], r[0]))
+    n = min(len(ranked), MAX_PLAN_ENTRIES)
+    best: tuple[float, int] | None = None
+    for fanout in range(max(2, stripes), MAX_FANOUT + 1, stripes):
+        interior = ranked[: min(n, stripes * max(1, math.ceil((n - 1) / fanout)))]
+        cost = fanout / min(counts(r) for r in interior)  # seconds per byte of a stripe, the slowest interior peer
+        if best is None or cost < best[0] * 0.999:
+            best = (cost, fanout)
+    assert best is not None
+    fanout = best[1]
+    want = stripes * max(1, math.ceil((n - 1) / fanout))
+    size = min(n, want)
+    interior = [p for p, _ in ranked[:size]]
+    rest = sorted(ranked[size:], key=lambda r: (unproven[r[0]], tier[r[0]], -counts(r), r[0]))
+    if size == want:
+        # Stripe i's interior is the i-th block of `order`: deal the ranked interior out in turn, so every
+        # stripe gets a like share of fast and slower interior peers, the fastest of each nearest its root.
+        interior = [p for i in range(stripes) for p in interior[i::stripes]]
+    # else a handful of peers: the stripes' interiors overlap (one peer forwards two stripes)
+    order = (interior + [p for p, _ in rest])[:MAX_PLAN_ENTRIES]
+    return TreeLayout(order=order, stripes=stripes, fanout=fanout)
+
+
 def make_plan(
     key: PolicyKey, swarm: str, version: int, publisher: str,
     receivers: Sequence[tuple[str, int | None]], seeds: int, undialable: Collection[str] = (),
     nat: Mapping[str, NatPeer] | None = None, proven: Collection[str] | None = None,
+    shape: Literal["auto", "chains", "trees"] = "auto",
 ) -> BroadcastPlan:
+    """A signed plan: chains (`plan_chains`), or trees (`plan_tree`) for `shape` trees, and for auto
+    from TREE_FROM receivers on."""
+    trees = shape == "trees" or (shape == "auto" and len(receivers) >= TREE_FROM)
+    layout = plan_tree(receivers, seeds, undialable, nat, proven) if trees else None
     plan = BroadcastPlan(
         swarm=swarm, version=version, publisher=publisher,
-        stripes=plan_chains(receivers, seeds, undialable, nat, proven), public_key=key.public.text,
+        stripes=[] if layout is not None else plan_chains(receivers, seeds, undialable, nat, proven),
+        tree=layout, public_key=key.public.text,
     )
     return plan.model_copy(update={"signature": key.sign(DOMAIN_PLAN, plan._payload()).hex()})
 
@@ -219,4 +396,6 @@ def verify_plan(data: bytes, *, trusted: PublicKey, swarm: str, version: int, pu
     for chain in plan.stripes:
         if len(chain) > 4096 or len(set(chain)) != len(chain):
             raise PlanError("a plan chain is too long or lists a peer twice")
+    if plan.tree is not None and len(set(plan.tree.order)) != len(plan.tree.order):
+        raise PlanError("a plan tree lists a peer twice")
     return plan

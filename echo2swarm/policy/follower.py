@@ -411,7 +411,7 @@ class PolicyFollower:
         None when no such plan places us."""
         plan, me = self.plan, self.overlay.peer_id
         if not self.fetch_config.upstream_cards or plan is None or plan.version != self.fetching_version \
-                or not any(me in chain for chain in plan.stripes):
+                or not plan.places(me):
             return None
         return plan.upstream(me, PLAN_UPSTREAM_DEPTH)
 
@@ -456,7 +456,7 @@ class PolicyFollower:
         if plan is None or cards_read.is_set():
             return
         me, known = self.overlay.peer_id, {c.peer_id for c in self._cards} | set(self._sources)
-        parents = {plan.parent(me, i) for i in range(len(plan.stripes))} - {None, plan.publisher}
+        parents = {plan.parent(me, i) for i in range(plan.stripe_count)} - {None, plan.publisher}
         if parents <= known:
             return
         with contextlib.suppress(asyncio.TimeoutError):

@@ -1,8 +1,10 @@
 """How a version spreads through the modelled swarm under the learner's real broadcast plan.
 
-    plan_chains (policy/broadcast_plan.py) over every follower: `seeds` stripes, each a chain
-    stripe i, peer k of its chain: rate r_k = min(parent up / s, own down / s), and at most
-                 relay_bps through a relay when the edge is not direct (`direct_edge`)
+    make_plan's layout (policy/broadcast_plan.py: chains, or trees past TREE_FROM receivers) over every
+    follower: `seeds` stripes; `BroadcastPlan.edges` gives each peer's parent in each stripe
+    stripe i, a peer whose path from the learner is hops 1..k: rate r_j = min(parent up / the
+                 parent's child edges over all stripes, own down / s), and at most relay_bps through
+                 a relay when the edge is not direct (`direct_edge`)
                  arrival = Σ_{j ≤ k} (chunk / r_j + rtt_j) + (stripe bytes − chunk) / min_{j ≤ k} r_j
                  (store and forward a chunk a hop, the rest pipelined behind the slowest hop so far)
     a peer holds the version when the last of its stripes arrives
@@ -13,15 +15,18 @@
     churn: a parent that leaves during the version (probability churn/h x its arrival) costs each of
                  its children fetch.source_wait_s before it goes around it
 
-The learner uploads one stripe to the head of each chain: one copy a version, whatever N.
+The learner uploads each stripe once, to its chain's head or tree's root: one copy a version, whatever N.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from echo2swarm.policy.broadcast_plan import NatPeer, direct_edge, plan_chains
+from echo2swarm.policy.broadcast_plan import (
+    MAX_UNPROVEN, TREE_FROM, BroadcastPlan, NatPeer, direct_edge, plan_chains, plan_tree,
+)
 from echo2swarm.sim.population import Peer, fake_peer_id
 
 LEARNER = "learner"
@@ -33,9 +38,23 @@ class Spread:
     learner_bytes: float
     planned: int  # followers the plan placed
     stripes: int
-    chain_length: int
+    chain_length: int  # hops from the learner to the deepest peer
     departed: int = 0
-    chains: list[list[str]] = field(default_factory=list)
+    chains: list[list[str]] = field(default_factory=list)  # per stripe, the peers it places (parents first)
+    plan: BroadcastPlan | None = None
+
+
+_LEARNER_ID = fake_peer_id(10**9)
+
+
+def _depth(edges: list[list[tuple[str, str | None]]]) -> int:
+    deepest = 0
+    for rows in edges:
+        hops: dict[str, int] = {}
+        for peer, parent in rows:
+            hops[peer] = 1 if parent is None else hops[parent] + 1
+            deepest = max(deepest, hops[peer])
+    return deepest
 
 
 def _nat(peers: list[Peer], rng: random.Random) -> dict[str, NatPeer]:
@@ -45,38 +64,62 @@ def _nat(peers: list[Peer], rng: random.Random) -> dict[str, NatPeer]:
 
 def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_up_bps: float, seeds: int,
            relay_bps: float, source_wait_s: float, churn_per_hour: float, seed: int = 0,
-           plan_min_up_bps: float = 0.0) -> Spread:
+           plan_min_up_bps: float = 0.0, shape: str = "auto", proven: Collection[str] | None = None) -> Spread:
     """`plan_min_up_bps` (a what-if, not built: 0 is the plan as the learner makes it): only peers with at
-    least this uplink are offered to the plan; the others fetch from holders like peers past its cap."""
+    least this uplink are offered to the plan; the others fetch from holders like peers past its cap.
+    `shape`: make_plan's (auto: chains below TREE_FROM receivers, trees from there). `proven`: the peers
+    the learner saw working (the active ones): the plan takes them and at most MAX_UNPROVEN others, as
+    the broadcast tracker's `receivers()` does; None: every peer counts as proven and is planned."""
     rng = random.Random(seed)
     by_id = {p.peer_id: p for p in peers}
     nat = _nat(peers, rng)
-    receivers = [(p.peer_id, int(p.up_bps)) for p in peers if p.up_bps >= plan_min_up_bps]
-    chains = plan_chains(receivers, seeds, nat=nat, proven=set(by_id))
-    stripes = max(1, len(chains))
+    offered = [p for p in peers if p.up_bps >= plan_min_up_bps]
+    if proven is not None:
+        others = [p for p in offered if p.peer_id not in proven]
+        offered = [p for p in offered if p.peer_id in proven] + rng.sample(others, min(MAX_UNPROVEN, len(others)))
+    else:
+        proven = set(by_id)
+    receivers = [(p.peer_id, int(p.up_bps)) for p in offered]
+    trees = shape == "trees" or (shape == "auto" and len(receivers) >= TREE_FROM)
+    layout = plan_tree(receivers, seeds, nat=nat, proven=proven) if trees else None
+    plan = BroadcastPlan(swarm="sim", version=1, publisher=_LEARNER_ID, public_key="",
+                         stripes=[] if layout is not None else plan_chains(receivers, seeds, nat=nat, proven=proven),
+                         tree=layout)
+    stripes = max(1, plan.stripe_count)
     stripe_bytes = version_bytes / stripes
+    edges = plan.edges()
+    load: dict[str | None, int] = {}
+    for rows in edges:
+        for _, parent in rows:
+            load[parent] = load.get(parent, 0) + 1
     arrival: dict[str, float] = {}
     departed: set[str] = set()
-    for chain in chains:
-        latency, slowest = 0.0, float("inf")
-        parent_up, parent_id, parent_rtt = learner_up_bps, LEARNER, 0.0
-        for peer_id in chain:
+    for rows in edges:
+        path: dict[str, tuple[float, float]] = {}  # peer -> (latency so far, slowest rate so far)
+        for peer_id, parent_id in rows:
             peer = by_id[peer_id]
-            rate = min(parent_up / stripes, peer.down_bps / stripes)
-            if parent_id != LEARNER and not direct_edge(parent_id, peer_id, nat):
+            if parent_id is None:
+                parent_up, parent_rtt, (latency, slowest) = learner_up_bps / load[None], 0.0, (0.0, float("inf"))
+            else:
+                parent = by_id[parent_id]
+                parent_up, parent_rtt, (latency, slowest) = parent.up_bps / load[parent_id], parent.rtt_s, path[parent_id]
+            rate = min(parent_up, peer.down_bps / stripes)
+            if parent_id is not None and not direct_edge(parent_id, peer_id, nat):
                 rate = min(rate, relay_bps)
             latency += min(chunk_bytes, stripe_bytes) / rate + max(parent_rtt, peer.rtt_s)
             if parent_id in departed:
                 latency += source_wait_s
             slowest = min(slowest, rate)
+            path[peer_id] = (latency, slowest)
             done = latency + max(0.0, stripe_bytes - chunk_bytes) / slowest
             arrival[peer_id] = max(arrival.get(peer_id, 0.0), done)
             if peer_id not in departed and rng.random() < churn_per_hour * done / 3600:
                 departed.add(peer_id)
-            parent_up, parent_id, parent_rtt = peer.up_bps, peer_id, peer.rtt_s
+    chains = [[peer for peer, _ in rows] for rows in edges]
     planned = list(arrival)
-    out = Spread(arrival, learner_bytes=stripe_bytes * len(chains), planned=len(planned), stripes=len(chains),
-                 chain_length=max((len(c) for c in chains), default=0), departed=len(departed), chains=chains)
+    depth = _depth(edges)
+    out = Spread(arrival, learner_bytes=stripe_bytes * load.get(None, 0), planned=len(planned), stripes=len(chains),
+                 chain_length=depth, departed=len(departed), chains=chains, plan=plan)
     rest = [p for p in peers if p.peer_id not in arrival]
     if rest and planned:
         picks = [rng.choice(planned) for _ in rest]

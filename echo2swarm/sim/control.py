@@ -116,12 +116,12 @@ class Traffic:
                 "control_bytes_learner_s": round(float(self.per_node[0]), 1), "cards_unstored": self.unstored}
 
 
-def control_traffic(design: str, ids: Sequence[str], active: Collection[str], chains: list[list[str]],
+def control_traffic(design: str, ids: Sequence[str], active: Collection[str], plan: BroadcastPlan | None,
                     arrival: dict[str, float], version_period_s: float, sizes: RecordSizes,
                     seed: int = 0) -> Traffic:
     """Per-node DHT bytes/s with rollout peers `ids` (the learner and a bootstrap besides), `active` of them
-    planned by activation, the broadcast plan's `chains`, each peer's fetch time `arrival` (seconds from
-    publication) and a version every `version_period_s`."""
+    planned by activation, the version's broadcast `plan` (chains or trees), each peer's fetch time
+    `arrival` (seconds from publication) and a version every `version_period_s`."""
     if design not in DESIGNS:
         raise ValueError(f"design {design!r}: one of {', '.join(DESIGNS)}")
     overlay, fetch, publish = OverlayConfig(), FetchConfig(), PublishConfig()
@@ -162,8 +162,6 @@ def control_traffic(design: str, ids: Sequence[str], active: Collection[str], ch
                 dht.get(0, card_key(SWARM, p), sizes.card, calls)
 
     # Followers' reads while they fetch: at the start of each version, then every holders_refresh_s.
-    plan = BroadcastPlan(swarm=SWARM, version=1, publisher=learner, stripes=chains,
-                         public_key="ed25519:" + "0" * 64) if chains else None
     reads: dict[str, tuple[list[int], list[float]]] = {}
 
     def read(key: str, who: int, rate: float) -> None:
@@ -171,7 +169,7 @@ def control_traffic(design: str, ids: Sequence[str], active: Collection[str], ch
         entry[0].append(who)
         entry[1].append(rate)
 
-    placed = {p for c in chains for p in c}
+    placed = {p for p in ids if plan is not None and plan.places(p)}
     turn = 0
     for p in ids:
         fetching = min(arrival.get(p, 0.0), version_period_s)

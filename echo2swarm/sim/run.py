@@ -47,7 +47,12 @@ class Scenario:
     gamma: float = DEFAULT_GAMMA
     source_wait_s: float = 10.0  # fetch.source_wait_s
     plan_min_uplink_mbps: float = 0.0  # a what-if: only such peers in the plan, the rest leaves (0: as built)
+    plan_shape: str | None = None  # make_plan's shape; None: the design's (today: chains, as before trees; shards: auto)
     seed: int = 0
+
+    @property
+    def shape(self) -> str:
+        return self.plan_shape or ("chains" if self.design == "today" else "auto")
 
     @property
     def version_bytes(self) -> float:
@@ -72,7 +77,7 @@ def simulate(s: Scenario) -> dict[str, Any]:
         active = choose_active(workers, inputs.floor()) or workers  # out of reach: every peer works
         version = spread(peers, s.version_bytes, s.chunk_bytes, s.learner_uplink_mbps * MBIT, s.seeds,
                          s.relay_mbps * MBIT, s.source_wait_s, s.churn_per_hour, s.seed,
-                         s.plan_min_uplink_mbps * MBIT)
+                         s.plan_min_uplink_mbps * MBIT, s.shape, proven={w.peer_id for w in active})
         on_active = [version.arrival[w.peer_id] for w in active]
         t_bcast = _quantile(on_active, 0.99)
     inputs = CapacityInputs(rollouts_per_step=s.rollouts_per_step, t_train=s.t_train_s, t_bcast=t_bcast,
@@ -80,10 +85,12 @@ def simulate(s: Scenario) -> dict[str, Any]:
     total_mu = sum(w.mu for w in active)
     step_s = inputs.step_time(total_mu)
     traffic = control_traffic(s.design, [p.peer_id for p in peers], {w.peer_id for w in active},
-                              version.chains, version.arrival, step_s * s.publish_every,
+                              version.plan, version.arrival, step_s * s.publish_every,
                               record_sizes(len(active)), s.seed)
     return {
         "peers": s.peers, "design": s.design, "plan_min_uplink_mbps": s.plan_min_uplink_mbps,
+        "plan": "trees" if version.plan is not None and version.plan.tree is not None else "chains",
+        "fanout": version.plan.tree.fanout if version.plan is not None and version.plan.tree is not None else 1,
         "t50_s": round(_quantile(on_active, 0.5), 2), "t90_s": round(_quantile(on_active, 0.9), 2),
         "t99_s": round(t_bcast, 2), "t99_all_s": round(_quantile(list(version.arrival.values()), 0.99), 2),
         "learner_copies": round(version.learner_bytes / s.version_bytes, 3),

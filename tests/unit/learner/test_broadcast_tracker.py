@@ -36,9 +36,10 @@ class Clock:
         return self.now
 
 
-def card(peer: str, arrivals: dict[int, float], fetching: int | None = None, role: str = "rollout") -> PeerCard:
+def card(peer: str, arrivals: dict[int, float], fetching: int | None = None, role: str = "rollout",
+         upload_bps: int | None = None) -> PeerCard:
     return PeerCard(peer_id=peer, role=role, price=0.0, state="ready", software="0", updated_ms=1, fetching=fetching,
-                    arrivals=[{"version": v, "seconds": t} for v, t in arrivals.items()])
+                    arrivals=[{"version": v, "seconds": t} for v, t in arrivals.items()], upload_bps=upload_bps)
 
 
 def tracker() -> tuple[BroadcastTracker, Clock]:
@@ -191,3 +192,32 @@ def test_only_delivered_groups_make_a_peer_proven_and_the_rest_plan_after_it_wha
     assert stripes == [[HONEST, SLOW]]  # (two peers: one stripe, so the tail heads none)
     asyncio.run(tracker.publish_roster())
     assert overlay.stored == [{SILENT}]  # the banned are left off the roster
+
+
+def test_a_planned_peer_that_never_reported_a_version_forwards_nothing_in_the_next_plans():
+    from echo2swarm.learner.broadcast_tracker import DEMOTE_VERSIONS
+    from echo2swarm.policy.broadcast_plan import BroadcastPlan
+
+    clock = Clock()
+    t = BroadcastTracker(FakeOverlay(), PolicyKey.generate(), seeds=2, refresh_s=1.0, ewma_alpha=0.3, clock=clock,
+                         shape="trees")  # type: ignore[arg-type]
+
+    def cards(v: int | None) -> list[PeerCard]:
+        done = {v: 1.0} if v is not None else {}
+        return [card(HONEST, done, upload_bps=10**7), card(SLOW, done, upload_bps=10**7),
+                card(SILENT, done if v != 5 else {}, role="relay", upload_bps=10**9)]  # the fastest claim
+
+    def forwards(version: int) -> set[str]:
+        plan = BroadcastPlan.model_validate_json(t.plan(version))
+        return {up for rows in plan.edges() for _, up in rows if up is not None}
+
+    t.observe(cards(None))
+    assert SILENT in forwards(5)  # a quarter of its claim still beats the others' uplinks
+    clock.now = 500.0 + REPORT_WAIT_S + 1
+    t.observe(cards(5))  # it never reported v5
+    assert t.demoted() == {SILENT} and t.unreported == {5: 1}
+    for v in range(6, 6 + DEMOTE_VERSIONS):  # planned without an uplink until v5 leaves the window
+        assert SILENT not in forwards(v)
+        clock.now += 1.0
+        t.observe(cards(v))
+    assert t.demoted() == set() and SILENT in forwards(99)

@@ -9,7 +9,7 @@ import pytest
 
 from echo2swarm.config.models import ChunkServerConfig, RelayConfig
 from echo2swarm.wire.records import PeerCard, RecordError, parse_card
-from echo2swarm.policy.broadcast_plan import PlanError, make_plan, plan_chains, verify_plan
+from echo2swarm.policy.broadcast_plan import MAX_PLAN_BYTES, MAX_PLAN_ENTRIES, PlanError, make_plan, plan_chains, verify_plan
 from echo2swarm.policy.limiter import RateLimiter
 from echo2swarm.policy.manifest import ChunkRef, FileEntry, Manifest
 from echo2swarm.policy.pipeline import InFlight
@@ -259,3 +259,74 @@ def test_peers_seen_working_come_first_within_their_nat_tier_whatever_the_others
     # Behind NAT without hole punching, a proven peer still goes after the public ones (who can be dialled).
     nat = {PEERS[2]: NatPeer(relays=(PEERS[7],))}
     assert plan_chains(receivers, seeds=1, proven=proven, nat=nat)[0] == [PEERS[1], PEERS[0], PEERS[3], PEERS[2]]
+
+
+# -- trees (past TREE_FROM receivers) ------------------------------------------------------------------
+def _ids(n: int) -> list[str]:
+    from echo2swarm.sim.population import fake_peer_id
+
+    return [fake_peer_id(i) for i in range(n)]
+
+
+def test_trees_put_the_fastest_peers_in_disjoint_stripe_interiors_and_every_peer_in_every_stripe():
+    import math
+    import random
+
+    rng = random.Random(0)
+    ids = _ids(300)
+    uplink = {p: rng.choice([2 * 10**6, 20 * 10**6, 200 * 10**6]) for p in ids}
+    key = PolicyKey.generate()
+    plan = verify_plan(make_plan(key, "s", 3, LEARNER, list(uplink.items()), seeds=4).to_bytes(), trusted=key.public,
+                       swarm="s", version=3, publisher=LEARNER)  # auto: 300 >= TREE_FROM
+    tree = plan.tree
+    assert tree is not None and plan.stripes == [] and plan.stripe_count == 4 and tree.fanout % 4 == 0
+    parents_in: dict[str, set[int]] = {}
+    for stripe, rows in enumerate(plan.edges()):
+        assert sorted(p for p, _ in rows) == sorted(ids)  # every peer receives every stripe
+        assert [p for p, up in rows if up is None] == [rows[0][0]]  # one root, fed by the learner
+        children: dict[str, int] = {}
+        hops: dict[str, int] = {}
+        for peer, up in rows:
+            hops[peer] = 1 if up is None else hops[up] + 1  # parents come before their children
+            if up is not None:
+                children[up] = children.get(up, 0) + 1
+                parents_in.setdefault(up, set()).add(stripe)
+            assert plan.parent(peer, stripe) == (up or LEARNER) == plan.parent(peer, stripe + 4)
+        assert max(children.values()) <= tree.fanout
+        assert max(hops.values()) <= 1 + math.ceil(math.log(300, tree.fanout))
+    # Each interior peer forwards one stripe only, and they are the fastest claims.
+    assert all(len(stripes) == 1 for stripes in parents_in.values())
+    assert min(uplink[p] for p in parents_in) >= max(uplink[p] for p in ids if p not in parents_in)
+    me = tree.order[-1]
+    assert plan.places(me) and not plan.places(PEERS[0])
+    up = plan.upstream(me, 2)
+    assert up[:4] == [plan.parent(me, i) for i in range(4)] and LEARNER not in up and me not in up
+
+
+def test_a_fresh_key_claiming_an_uncapped_uplink_does_not_carry_a_tree_ahead_of_proven_peers():
+    ids = _ids(100)
+    proven = set(ids[:90])
+    receivers = [(p, 50 * 10**6) for p in ids[:90]] + [(p, None) for p in ids[90:]]  # 10 fresh keys, "uncapped"
+    tree = make_plan(PolicyKey.generate(), "s", 1, LEARNER, receivers, seeds=2, proven=proven).tree
+    assert tree is not None
+    interior = {tree.order[(tree.offset(i) + k) % len(tree.order)] for i in range(2) for k in range(tree.interior)}
+    assert not interior & set(ids[90:])
+
+
+def test_auto_plans_chains_below_tree_from_and_old_daemons_read_chain_plans_unchanged():
+    from echo2swarm.policy.broadcast_plan import TREE_FROM
+
+    key = PolicyKey.generate()
+    small = make_plan(key, "s", 1, LEARNER, [(p, 100) for p in _ids(TREE_FROM - 1)], seeds=2)
+    assert small.tree is None and b'"tree"' not in small.to_bytes()  # the record and signed bytes of before
+    assert make_plan(key, "s", 1, LEARNER, [(p, 100) for p in _ids(TREE_FROM)], seeds=2).tree is not None
+    assert make_plan(key, "s", 1, LEARNER, [(p, 100) for p in _ids(8)], seeds=2, shape="trees").tree is not None
+    assert make_plan(key, "s", 1, LEARNER, [(p, 100) for p in _ids(500)], seeds=2, shape="chains").tree is None
+
+
+def test_a_tree_for_a_huge_swarm_fits_what_followers_accept():
+    key = PolicyKey.generate()
+    plan = make_plan(key, "s", 1, LEARNER, [(p, 100) for p in _ids(6000)], seeds=16)
+    data = plan.to_bytes()
+    assert plan.tree is not None and len(plan.tree.order) == MAX_PLAN_ENTRIES and len(data) <= MAX_PLAN_BYTES
+    assert verify_plan(data, trusted=key.public, swarm="s", version=1, publisher=LEARNER).tree == plan.tree

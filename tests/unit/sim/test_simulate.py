@@ -48,12 +48,17 @@ def test_the_learner_settles_on_a_depth_of_about_128_cards_a_shard() -> None:
 
 def test_a_version_reaches_every_peer_once_from_the_learner_along_the_real_plan() -> None:
     peers = draw_peers(3000, nat_share=0.3, holepunch_share=0.6, params=8e9, seed=1)
-    out = spread(peers, 150e6, 65536, 1000 * MBIT, seeds=2, relay_bps=4 * MBIT, source_wait_s=10, churn_per_hour=0.0)
-    assert set(out.arrival) == {p.peer_id for p in peers} and all(t > 0 for t in out.arrival.values())
-    assert out.learner_bytes == 150e6 and out.stripes == 2
-    assert out.planned == out.chain_length == MAX_PLAN_ENTRIES // 2  # the plan's cap: the rest from holders
-    chain = out.chains[0]
-    assert all(out.arrival[a] <= out.arrival[b] + 1e-9 or b == chain[0] for a, b in zip(chain[1:], chain[2:]))
+    args = dict(version_bytes=150e6, chunk_bytes=65536, learner_up_bps=1000 * MBIT, seeds=2, relay_bps=4 * MBIT,
+                source_wait_s=10, churn_per_hour=0.0)
+    chains = spread(peers, **args, shape="chains")
+    trees = spread(peers, **args)  # auto: trees past TREE_FROM receivers
+    for out in (chains, trees):
+        assert set(out.arrival) == {p.peer_id for p in peers} and all(t > 0 for t in out.arrival.values())
+        assert out.learner_bytes == 150e6 and out.stripes == 2  # one copy from the learner, whatever the shape
+    assert chains.plan.tree is None and chains.planned == chains.chain_length == MAX_PLAN_ENTRIES // 2  # the cap
+    assert trees.plan.tree is not None and trees.planned == 3000 and trees.chain_length <= 5
+    t99 = {name: sorted(out.arrival.values())[int(0.99 * 3000)] for name, out in (("chains", chains), ("trees", trees))}
+    assert t99["trees"] < t99["chains"] / 3, t99
 
 
 def test_the_lab_model_is_the_benchs_swarm_star_linear_and_pipelined_near_one_copy_time() -> None:
@@ -79,7 +84,9 @@ def test_card_shards_keep_each_nodes_traffic_flat_where_one_key_does_not() -> No
     assert large["shards"]["cards_unstored"] == 0
     grow = large["shards"]["control_bytes_per_node_s"] / small["shards"]["control_bytes_per_node_s"]
     assert grow < 1.5, grow
-    assert large["today"]["control_bytes_per_node_s"] > 5 * large["shards"]["control_bytes_per_node_s"]
+    # (most followers are outside the plan, which takes the peers seen working and 32 others, and sample
+    # their shards at a doubling wait: under one key each such read is of every card)
+    assert large["today"]["control_bytes_per_node_s"] > 3 * large["shards"]["control_bytes_per_node_s"]
     for r in (*small.values(), *large.values()):
         assert 0 < r["busy"] <= 1 and r["t50_s"] <= r["t90_s"] <= r["t99_s"] and r["learner_copies"] == 1.0
         assert math.isfinite(r["usd_per_step"]) and r["active"] >= 1
