@@ -49,19 +49,22 @@ def _genuine_chunks(state_dir: Path) -> int:
     return len(files)
 
 
-def test_chained_broadcast_keeps_the_learner_upload_near_one_copy(
+def test_tree_broadcast_keeps_the_learner_upload_near_one_copy(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
+    # A tree plan (what swarms of 64 planned peers and more get; chains, the smaller swarms' plan, are the
+    # other tests' here): the relays follow its parents as the chains' (BroadcastPlan.parent).
     local_swarm.bootstrap()
     relays = _relays(local_swarm, policy_key, ["r1", "r2", "r3", "r4"])
     _wait_for_cards(local_swarm, {r.info["peer_id"] for r in relays})
-    learner = local_swarm.learner(tiny_model_dir, policy_key, "--upload-limit", "1MiB", "--chunk-size", CHUNK)
+    learner = local_swarm.learner(tiny_model_dir, policy_key, "--upload-limit", "1MiB", "--chunk-size", CHUNK,
+                                  env={"ECHO2SWARM_PUBLISH__PLAN_SHAPE": "trees"})
     local_swarm.ready(learner)
     for relay in relays:
         wait_until(lambda: _info(relay)["versions"] == [1], 60, interval=0.2, what=f"{relay.name} at v1")
 
     plan = http_json(learner.info["chunk_url"] + "/v1/plan/1")
-    assert sorted(plan["stripes"][0]) == sorted(r.info["peer_id"] for r in relays)
+    assert plan["stripes"] == [] and sorted(plan["tree"]["order"]) == sorted(r.info["peer_id"] for r in relays)
     served = _info(learner)["stats"]["server"]["bytes_served"]
     model = _model_bytes(tiny_model_dir)
     # Four full copies left the swarm's peers; the learner uploaded about one of them: a relay whose plan
