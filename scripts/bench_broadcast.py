@@ -72,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from echo2swarm.config.models import PublishConfig, auto_chunk_size  # noqa: E402
 from echo2swarm.config.units import format_bytes, parse_bytes  # noqa: E402
 from echo2swarm.runtime.processes import DaemonProcess, child_pids, loopback_args, pid_alive, wait_until  # noqa: E402
-from echo2swarm.sim.broadcast import lab_broadcast  # noqa: E402
+from echo2swarm.sim.broadcast import FRAME_PAYLOAD, lab_broadcast  # noqa: E402
 
 SWARM = "bench-bcast"
 SEEDS = PublishConfig().seeds  # the learner's stripes (its default publish.seeds), as the model is told
@@ -662,7 +662,8 @@ def wan_main(args: argparse.Namespace, tmp_path: Path, key: Path, receivers: lis
             chunk = auto_chunk_size(model_bytes) if args.chunk_size == "auto" else parse_bytes(args.chunk_size)
             row["sim_s"] = lab_broadcast(n, model_bytes, chunk, bandwidth, args.wan_down_mbit * 1e6 / 8, SEEDS,
                                          star=mode == "star", homes=row["nat"],
-                                         punching=sum(bool(h) for h in row["holepunch"]), relay_bps=bandwidth)
+                                         punching=sum(bool(h) for h in row["holepunch"]), relay_bps=bandwidth,
+                                         payload_share=FRAME_PAYLOAD)  # tbf counts whole frames
             rows.append(row)
             print(f"  {mode:>9} N={n:<2} ({row['nat']} NAT) T_bcast {row['t_bcast_s']:7.2f} s ({row['ratio']:.2f}x M/B)  "
                   f"learner uplink {row['learner_copies']:.2f} M, public relay(s) "

@@ -11,6 +11,7 @@ adds is large and expensive:
   3. branch and bound in ρ order, seeded with that set as the incumbent and pruned with the LP
      bound (fill the gap fractionally with the cheapest rollouts left). Within `max_nodes` it is
      exact (every pool of a few dozen peers); past it, the best set found so far is kept.
+`timely` leaves out first the peers whose versions arrive too late for the staleness budget.
 `brute_force` is the exact optimum for small pools (the unit tests' and benchmark's yardstick);
 `ActivationController` adds the closed loop's hysteresis so that small changes in µ or price
 do not make peers flap between active and standby.
@@ -32,17 +33,21 @@ DEFAULT_HYSTERESIS = 0.1  # activation.hysteresis: the share of the floor and of
 
 @dataclass(frozen=True)
 class Worker:
-    """One rollout peer as the planner sees it: measured rollouts/s and advertised USD per hour."""
+    """One rollout peer as the planner sees it: measured rollouts/s, advertised USD per hour and, once
+    it fetched a few versions, how long a version takes to reach it (its card's arrivals; None: unknown)."""
 
     peer_id: str
     mu: float
     price: float
+    arrival_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.mu) and self.mu >= 0):
             raise ValueError(f"{self.peer_id}: rollouts_per_s must be a finite number >= 0, got {self.mu}")
         if not (math.isfinite(self.price) and self.price >= 0):
             raise ValueError(f"{self.peer_id}: price must be a finite number >= 0 (USD per hour), got {self.price}")
+        if self.arrival_s is not None and not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(f"{self.peer_id}: arrival_s must be a finite number >= 0, got {self.arrival_s}")
 
     @property
     def rho(self) -> float:
@@ -56,6 +61,21 @@ def total_mu(workers: Iterable[Worker]) -> float:
 
 def total_price(workers: Iterable[Worker]) -> float:
     return sum(w.price for w in workers)
+
+
+def timely(workers: Sequence[Worker], floor: float, budget: float) -> tuple[list[Worker], list[Worker]]:
+    """(pool, late): the peers a plan should choose from, and those it leaves out as late. A peer whose
+    versions arrive after `budget` seconds (CapacityInputs.arrival_budget) makes the learner wait for its
+    rollouts whatever its price, so it is left out while the others (unknown arrivals included) still
+    meet `floor`; when they do not, nobody is (a slow peer beats no peer)."""
+    late = [w for w in workers if w.arrival_s is not None and w.arrival_s > budget]
+    if not late:
+        return list(workers), []
+    out = {w.peer_id for w in late}
+    pool = [w for w in workers if w.peer_id not in out]
+    if total_mu(pool) < floor - _EPS:
+        return list(workers), []
+    return pool, late
 
 
 def _order(workers: Iterable[Worker]) -> list[Worker]:

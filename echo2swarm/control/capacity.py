@@ -84,6 +84,13 @@ class CapacityInputs:
         """S − κ + 1: steps between a version's publication and the last step that may use it, minus κ − 1."""
         return self.staleness - self.publish_every + 1
 
+    def arrival_budget(self) -> float:
+        """Seconds a version may take to reach an active peer without the learner waiting for its rollouts:
+        (S − κ + 1)·T_train − L_gen (the `fresh` term of `step_time`); inf while T_train is unknown (0)."""
+        if self.t_train <= 0:
+            return math.inf
+        return max(0.0, self.slack_steps * self.t_train - self.l_gen)
+
     def freshness_ok(self) -> bool:
         # At S = κ − 1 (no slack) a version's rollouts exist only after the learner needs them.
         return self.slack_steps >= 1 and self.t_bcast + self.l_gen <= self.slack_steps * self.t_train

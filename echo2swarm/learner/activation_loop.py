@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from echo2swarm.config.rl import ActivationConfig, TrainConfig
-from echo2swarm.control.activation import ActivationController, Worker
+from echo2swarm.control.activation import ActivationController, Worker, timely
 from echo2swarm.control.capacity import CapacityInputs, diagnose
 from echo2swarm.control.telemetry import Ewma
 from echo2swarm.runtime.logging import get_logger
@@ -45,6 +45,16 @@ class Activity:
     last_request: float  # its last lease request
     oldest_open: float | None  # when its oldest open lease was issued; None: it holds none
 
+
+
+ARRIVALS_TYPICAL = 5  # a peer's newest version arrivals whose median is its typical arrival
+
+
+def typical_arrival(card: Any) -> float | None:
+    """The median seconds of the newest ARRIVALS_TYPICAL versions' arrivals its card reports (None: none
+    yet): a keyframe among them, larger than the deltas around it, does not make a peer late."""
+    seconds = sorted(a.seconds for a in sorted(card.arrivals, key=lambda a: a.version)[-ARRIVALS_TYPICAL:])
+    return seconds[len(seconds) // 2] if seconds else None
 
 class LearnerActivation:
     """>>> act = LearnerActivation(ActivationConfig(), TrainConfig()); act.gate("12D3...") is None   # no plan yet: all active"""
@@ -188,13 +198,16 @@ class LearnerActivation:
             ewma = self.delivered.get(card.peer_id)
             mu = ewma.value if ewma is not None else None
             if mu is not None and mu > 0 and self.verified[card.peer_id] >= self.config.plan_after_groups:
-                workers[card.peer_id] = Worker(card.peer_id, mu=float(mu), price=card.price)
+                workers[card.peer_id] = Worker(card.peer_id, mu=float(mu), price=card.price,
+                                               arrival_s=typical_arrival(card))
         self.workers = workers
         inputs = self.inputs()
         if not self.config.enabled or inputs is None:
             return
         floor = inputs.floor()
-        decision = self.controller.update(list(workers.values()), floor)
+        # Peers whose versions arrive after the staleness budget keep the learner waiting: planned last.
+        pool, late = timely(list(workers.values()), floor, inputs.arrival_budget())
+        decision = self.controller.update(pool, floor)
         active = [workers[p] for p in decision.active]
         total = sum(w.mu for w in active)
         self.planned = decision.feasible
@@ -205,6 +218,7 @@ class LearnerActivation:
             "at": round(time.time(), 3), "floor": round(floor, 4), "active_mu": round(total, 4),
             "active": decision.active, "standby": sorted(set(workers) - set(decision.active)),
             "feasible": decision.feasible, "reason": decision.reason, "bubble_predicted": round(inputs.bubble_ratio(total), 4),
+            "late": sorted(w.peer_id for w in late), "arrival_budget_s": round(min(inputs.arrival_budget(), 1e9), 3),
             "problems": d.problems, "fixes": d.fixes,
         }
         if decision.activated or decision.deactivated:

@@ -139,14 +139,21 @@ def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_
     return out
 
 
+# A link the kernel shapes (tc tbf) counts every frame's bytes: of a full 1514-byte Ethernet frame of TCP
+# (timestamps on) 1448 are payload. The WAN lab's links carry chunks at that share of their rate; the
+# loopback bench's limiter counts payload bytes only.
+FRAME_PAYLOAD = 1448 / 1514
+
+
 def lab_broadcast(receivers: int, version_bytes: float, chunk_bytes: float, up_bps: float, down_bps: float,
                   seeds: int, *, star: bool = False, homes: int = 0, punching: int = 0, rtt_s: float = 0.0005,
-                  relay_bps: float = float("inf")) -> float:
+                  relay_bps: float = float("inf"), payload_share: float = 1.0) -> float:
     """The model's T_bcast for bench_broadcast's swarms (the calibration of issue 35): `receivers` relays,
-    every uplink (the learner's too) `up_bps`, downlinks `down_bps`; the last `homes` of them behind NAT,
-    `punching` of those hole-punched. `star`: every relay from the learner alone (`--no-peer-assist`).
-    Seconds from the head's publication until the last relay holds the version, plus a head and a
-    manifest round trip."""
+    every uplink (the learner's too) `up_bps`, downlinks `down_bps`, of which `payload_share` carries
+    chunks (FRAME_PAYLOAD on kernel-shaped links); the last `homes` behind NAT, `punching` of those
+    hole-punched. `star`: every relay from the learner alone (`--no-peer-assist`). Seconds from the
+    head's publication until the last relay holds the version, plus a head and a manifest round trip."""
+    up_bps, down_bps, relay_bps = up_bps * payload_share, down_bps * payload_share, relay_bps * payload_share
     peers = [Peer(fake_peer_id(i), "lab", down_bps, up_bps, rtt_s, 0.0, 0.0) for i in range(receivers)]
     for k, peer in enumerate(peers[receivers - homes:]):
         peer.nat = "holepunch" if k < punching else "relayed"
@@ -158,4 +165,4 @@ def lab_broadcast(receivers: int, version_bytes: float, chunk_bytes: float, up_b
     return overhead + max(version.arrival.values())
 
 
-__all__ = ["LEARNER", "Spread", "lab_broadcast", "spread"]
+__all__ = ["FRAME_PAYLOAD", "LEARNER", "Spread", "lab_broadcast", "spread"]

@@ -2,7 +2,8 @@
 control plane's traffic; and the table and plots of several.
 
     draw_peers ─► activation: the cheapest set meeting the capacity floor (control/activation.py,
-                  choose_active; the floor from control/capacity.py with T_bcast = the last spread's t99)
+                  choose_active; the floor from control/capacity.py with T_bcast = the last spread's t99),
+                  peers whose last arrival exceeds the staleness budget left out while the rest suffice (timely)
                ─► spread over every follower under the real broadcast plan (sim/broadcast.py)
                ─► t50/t90/t99 over the active peers, learner busy share and $ a step (capacity model)
                ─► control traffic per node for the design (sim/control.py)
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from echo2swarm.control.activation import Worker, choose_active
+from echo2swarm.control.activation import Worker, choose_active, timely
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, CapacityInputs
 from echo2swarm.sim.broadcast import spread
 from echo2swarm.sim.control import control_traffic, record_sizes
@@ -68,17 +69,21 @@ def simulate(s: Scenario) -> dict[str, Any]:
     """The figures `echo2swarm simulate --json` prints for one N."""
     started = time.monotonic()
     peers = draw_peers(s.peers, s.nat_share, s.holepunch_share, s.params, s.seed)
-    workers = [Worker(p.peer_id, mu=p.mu, price=p.price) for p in peers]
     t_bcast = 0.0
+    arrival: dict[str, float] = {}
     active: list[Worker] = []
-    for _ in range(2):  # the floor depends on T_bcast, which the spread gives
+    late: list[Worker] = []
+    for _ in range(3):  # the floor depends on T_bcast, and lateness on arrivals, which the spread gives
         inputs = CapacityInputs(rollouts_per_step=s.rollouts_per_step, t_train=s.t_train_s, t_bcast=t_bcast,
                                 staleness=s.staleness, publish_every=s.publish_every, gamma=s.gamma, l_gen=s.l_gen_s)
-        active = choose_active(workers, inputs.floor()) or workers  # out of reach: every peer works
+        workers = [Worker(p.peer_id, mu=p.mu, price=p.price, arrival_s=arrival.get(p.peer_id)) for p in peers]
+        pool, late = timely(workers, inputs.floor(), inputs.arrival_budget())  # as LearnerActivation.replan
+        active = choose_active(pool, inputs.floor()) or pool  # out of reach: every peer works
         version = spread(peers, s.version_bytes, s.chunk_bytes, s.learner_uplink_mbps * MBIT, s.seeds,
                          s.relay_mbps * MBIT, s.source_wait_s, s.churn_per_hour, s.seed,
                          s.plan_min_uplink_mbps * MBIT, s.shape, proven={w.peer_id for w in active})
-        on_active = [version.arrival[w.peer_id] for w in active]
+        arrival = version.arrival
+        on_active = [arrival[w.peer_id] for w in active]
         t_bcast = _quantile(on_active, 0.99)
     inputs = CapacityInputs(rollouts_per_step=s.rollouts_per_step, t_train=s.t_train_s, t_bcast=t_bcast,
                             staleness=s.staleness, publish_every=s.publish_every, gamma=s.gamma, l_gen=s.l_gen_s)
@@ -96,7 +101,7 @@ def simulate(s: Scenario) -> dict[str, Any]:
         "learner_copies": round(version.learner_bytes / s.version_bytes, 3),
         "busy": round(1 - inputs.bubble_ratio(total_mu), 4), "step_s": round(step_s, 2),
         "usd_per_step": round(sum(w.price for w in active) * step_s / 3600, 4),
-        "active": len(active), "planned": version.planned, "stripes": version.stripes,
+        "active": len(active), "late": len(late), "planned": version.planned, "stripes": version.stripes,
         "chain_length": version.chain_length, "version_bytes": round(s.version_bytes),
         **traffic.summary(), "wall_s": round(time.monotonic() - started, 1),
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from echo2swarm.config.rl import ActivationConfig, TrainConfig
 from echo2swarm.learner.activation_loop import Activity, LearnerActivation
@@ -15,6 +15,7 @@ class Card:
     rollouts_per_s: float | None
     role: str = "rollout"
     state: str = "ready"
+    arrivals: list = field(default_factory=list)
 
 
 class Clock:
@@ -212,3 +213,29 @@ def test_nobody_is_judged_quiet_while_the_learner_hears_from_no_peer_at_all():
     asking = {**heard, "a": Activity(clock.now, None), "b": Activity(clock.now, None)}  # a and b are back
     act.replan(cards, set(asking), asking)
     assert act.quiet_events == 1 and "fast" not in act.workers
+
+
+@dataclass
+class Arrival:
+    version: int
+    seconds: float
+
+
+def test_peers_whose_versions_arrive_after_the_staleness_budget_are_planned_only_when_needed():
+    from echo2swarm.learner.activation_loop import typical_arrival
+
+    act = _loop()
+    slow = [Arrival(v, s) for v, s in ((1, 30.0), (2, 31.0), (3, 90.0), (4, 29.0), (5, 33.0))]  # v3: a keyframe
+    cards = [Card("a", 0.2, 40, arrivals=slow), Card("b", 0.3, 40, arrivals=slow[:2]),
+             Card("c", 0.9, 40, arrivals=[Arrival(5, 2.0)]), Card("d", 1.0, 40)]  # d: no arrival known yet
+    assert typical_arrival(cards[0]) == 31.0 and typical_arrival(cards[3]) is None
+    for _ in range(3):
+        act.on_step(20.0)  # T_train 20 s, S = 1, kappa = 1: floor 1.1 * 32 / 20 = 1.76 rollouts/s
+    _delivered(act, cards)  # L_gen 1 s: a version may take 20 - 1 = 19 s to arrive
+    act.replan(cards, set("abcd"))
+    plan = act.snapshot()["plan"]
+    assert plan["arrival_budget_s"] == 19.0 and plan["late"] == ["a", "b"]
+    assert plan["active"] == ["c"] and act.gate("a") and act.gate("b")  # the cheapest timely peer
+    # When the timely peers cannot meet the floor, a late peer is better than none.
+    act.replan(cards[:2], set("ab"))
+    assert act.snapshot()["plan"]["late"] == [] and act.snapshot()["plan"]["active"] == ["a"]
