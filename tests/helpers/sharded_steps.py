@@ -50,6 +50,33 @@ def fixed_groups(model_dir: Path, config: TrainConfig) -> list[Group]:
     return with_own_logprobs(plain, groups)
 
 
+VERIFIER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+
+
+class RemoteForward:
+    """What a verifier daemon computes (train/exact.py `exact_figures`, streamed fp32 forward of the
+    version's weights: here the initial ones for v1 and v2), called as the learner calls its verifiers."""
+
+    def __init__(self, model_dir: Path, weights: dict) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from echo2swarm.train.streamed import StreamedPolicy, TensorWeights, parameters_on_meta
+
+        with parameters_on_meta():
+            skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+        self.model, self.weights, self.calls = StreamedPolicy(skeleton, device=torch.device("cpu")), TensorWeights(weights), 0
+
+    def __call__(self, version, input_ids, attention_mask, completion_mask, keys, settings, need_bytes):
+        from echo2swarm.train.exact import exact_figures
+
+        self.calls += 1
+        with self.model.use(self.weights), torch.no_grad():
+            figures = exact_figures(self.model, input_ids.cpu(), attention_mask.cpu(), completion_mask.cpu(),
+                                    None if keys is None else keys.cpu(), settings)
+        figures.logprobs = figures.logprobs.cpu()
+        return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", type=Path)
@@ -58,16 +85,23 @@ def main() -> None:
     parser.add_argument("--train", default="{}", help="TrainConfig fields, JSON")
     parser.add_argument("--resume", type=Path, help="run dir: resume from its latest checkpoint first")
     parser.add_argument("--checkpoint", type=Path, help="run dir: write a checkpoint after the steps")
+    parser.add_argument("--remote", action="store_true",
+                        help="exact checks through a verifier daemon's code (offload = always): rank 0 asks an "
+                        "in-process CheckServer-like forward of the initial weights, the other ranks get its figures")
     args = parser.parse_args()
     config = TrainConfig(**{"device": "cpu", "lr": 2e-3, "kl_coef": 0.05, "seed": 3, **json.loads(args.train)})
     # Exact checks of two older versions: rank 0 streams each and sends the logits to the other rank.
     verify = VerifyConfig(seed=0, sample_fraction=1.0, spare_models=1)
+    if args.remote:
+        verify = verify.model_copy(update={"verifiers": [VERIFIER], "offload": "always"})
     rank = int(__import__("os").environ.get("RANK", "0"))
     if rank != 0:
         _exit(serve_rank(args.model, config, verify))
     groups = fixed_groups(args.model, config)
     initial = load_file(args.model / "model.safetensors")
-    trainer = make_trainer(args.model, config, verify=verify, weights_of=lambda v: initial if v <= 2 else None)
+    remote = RemoteForward(args.model, initial) if args.remote else None
+    trainer = make_trainer(args.model, config, verify=verify, weights_of=lambda v: initial if v <= 2 else None,
+                           remote=remote)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "initial.bin").write_bytes(trainer.weights_bytes(torch.bfloat16))
     first = 2
@@ -85,7 +119,8 @@ def main() -> None:
     if args.checkpoint is not None:
         save_checkpoint(args.checkpoint, step=first + args.steps - 1, version=first + args.steps, trainer=trainer,
                         extra={}, keep=1)
-    (args.out / "result.json").write_text(json.dumps({"world": world_size(), "steps": steps}))
+    (args.out / "result.json").write_text(json.dumps({"world": world_size(), "steps": steps,
+                                                      "remote_calls": remote.calls if remote else 0}))
     trainer.close()
     _exit(0)
 

@@ -39,11 +39,16 @@ def _run(model: Path, out: Path, ranks: int, train: dict, *extra: str, steps: in
 @pytest.mark.timeout(400)
 def test_two_ranks_train_as_one_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Same batches, 5 steps of 2 x 2 updates with a KL reference and stale groups verified exactly
-    against versions 1 and 2: W=2 (micro-batches of 3 sequences spread over the ranks) against W=1 (one
-    forward per minibatch)."""
+    against versions 1 and 2: W=2 (micro-batches of 3 sequences spread over the ranks; the exact checks
+    on a verifier daemon's code, which rank 0 asks and whose figures every rank gets) against W=1 (one
+    forward per minibatch, exact checks streamed here). The local exact checks of W=2's rank 0 run in
+    the checkpoint test below."""
     one = _run(tiny_model_dir, tmp_path / "w1", 1, {"ppo_epochs": 2, "minibatches": 2})
-    two = _run(tiny_model_dir, tmp_path / "w2", 2, {"ppo_epochs": 2, "minibatches": 2, "micro_batch_sequences": 3})
+    two = _run(tiny_model_dir, tmp_path / "w2", 2, {"ppo_epochs": 2, "minibatches": 2, "micro_batch_sequences": 3},
+               "--remote")
     assert (one["world"], two["world"]) == (1, 2)
+    # v1 at the first step (v2 is then its own version), v1 and v2 at each of the other four
+    assert two["remote_calls"] == 1 + 2 * 4 and all(s["verify_remote"] == 4 for s in two["steps"][1:])
     assert len(one["steps"]) == len(two["steps"]) == 5
     for step, (a, b) in enumerate(zip(one["steps"], two["steps"])):
         assert b["groups_trained"] == a["groups_trained"] == 4
