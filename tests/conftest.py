@@ -113,6 +113,27 @@ def warm_model_dir(warm_model: WarmModel) -> Path:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The test's torch threads put back after it (engines and trainers set their own)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with its final norm scaled up 6x, so that sampling otherwise changes choices
+    (helpers/verify_lab.py)."""
+    from echo2swarm.models.tiny import write_tiny_model
+    from helpers.verify_lab import write_peaked_model
+
+    plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
+    return write_peaked_model(plain, tmp_path_factory.mktemp("peaked") / "model", 6.0)
+
+
+@pytest.fixture
 def policy_key(tmp_path: Path) -> Path:
     from echo2swarm.wire.signing import PolicyKey
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.verify_lab import Lab, write_peaked_model
+from helpers.verify_lab import Lab
 
 from echo2swarm.config.models import CheckConfig
 from echo2swarm.config.rl import VerifyConfig
@@ -32,17 +32,7 @@ VERIFIER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 STRANGER = "12D3KooWHnrXGC5ULXxiX5bT5sFbQkTz7WQ9YpzDv9KaaxZHDmyb"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
-    return write_peaked_model(plain, tmp_path_factory.mktemp("peaked") / "model", 6.0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

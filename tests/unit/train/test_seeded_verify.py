@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.verify_lab import Lab, write_peaked_model
+from helpers.verify_lab import Lab
 
 from echo2swarm.config.rl import VerifyConfig
 from echo2swarm.learner.evidence import PeerStatistics
@@ -22,18 +22,7 @@ from echo2swarm.train.group import Group
 from echo2swarm.train.verify import NO_STRIKE, REASONS, Verifier
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with its final norm scaled up 6x, so that sampling otherwise changes choices."""
-    plain = write_tiny_model(tmp_path_factory.mktemp("plain") / "model", seed=0)
-    return write_peaked_model(plain, tmp_path_factory.mktemp("peaked") / "model", 6.0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
