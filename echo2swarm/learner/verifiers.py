@@ -208,6 +208,9 @@ class CheckServer:
             if self.config.threads:
                 torch.set_num_threads(self.config.threads)
             model = self._model(directory)
+            vocab = int(model.inner.config.vocab_size)
+            if max(max(r.ids) for r in request.rows) >= vocab:  # checked here: on a GPU it would poison the device
+                return CheckRefused(reason="failed", detail=f"a token id past the vocabulary ({vocab})")
             ids, attn, comp, keys, settings = request_batch(request, self.device)
             with model.use(VersionWeights(directory)), torch.no_grad():
                 figures = exact_figures(model, ids, attn, comp, keys, settings)

@@ -146,8 +146,13 @@ def request_batch(request: CheckRequest, device: torch.device | str = "cpu"
 
 def figures_reply(request: CheckRequest, figures: ExactFigures, completion_mask: torch.Tensor,
                   compute_s: float) -> CheckFigures:
-    """The figures of a request's batch (`request_batch`) as the reply, per row its completion's values."""
+    """The figures of a request's batch (`request_batch`) as the reply, per row its completion's values.
+    ValueError when the forward gave NaN (the learner must not judge peers by it)."""
     logprobs, comp = figures.logprobs.cpu(), completion_mask.cpu().bool()
+    sums = [t for t in (figures.excess, figures.variance) if t is not None]
+    if bool(torch.isnan(logprobs[comp]).any()) or any(bool((~torch.isfinite(t)).any()) for t in sums):
+        # -inf is a token outside the nucleus; NaN is a forward gone wrong, never a peer's fault
+        raise ValueError("the version's forward gave NaN: no figures")
     rows = []
     for i in range(len(request.rows)):
         values = [v if math.isfinite(v) else None for v in logprobs[i][comp[i]].tolist()]

@@ -134,6 +134,21 @@ def test_a_verifier_serves_only_the_learner_that_lists_it(peaked_model_dir: Path
                                                                                    "completion": 2})]})
     failed = ask(listed, LEARNER, bad)
     assert isinstance(failed, CheckRefused) and failed.reason == "failed"
+    # A version whose forward gives NaN (damaged weights): no figures, so no honest peer is judged by them.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    nan_dir = tmp_path / "nan"
+    shutil.copytree(lab.dir(1), nan_dir)
+    tensors = load_file(nan_dir / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("norm.weight"))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(nan_dir / "model.safetensors"))
+    broken = CheckServer(CheckConfig(device="cpu", threads=1), VERIFIER, learner=lambda: (LEARNER, frozenset([VERIFIER])),
+                         version_dir=lambda v: nan_dir)
+    nan = asyncio.run(broken.rpc_check(request, LEARNER))
+    assert isinstance(nan, CheckRefused) and nan.reason == "failed" and "NaN" in nan.detail
 
 
 def test_the_learner_offloads_by_its_rule_and_counts_what_it_could_not_check(
