@@ -33,7 +33,7 @@ from echo2swarm.models.kv_cache import kv_cache
 from echo2swarm.rollout.engines.base import SEEDED_SAMPLERS, Completion, SamplingParams, encode_prompts
 from echo2swarm.runtime.devices import resolve_device
 from echo2swarm.runtime.logging import get_logger
-from echo2swarm.train.sampling import seeded_choice
+from echo2swarm.train.sampling import gumbel_noise, sample_seeded, seeded_choice
 
 logger = get_logger(__name__)
 
@@ -225,8 +225,14 @@ class TransformersEngine:
         live = torch.arange(batch, device=device)  # batch position → row
         done = torch.zeros(batch, dtype=torch.bool, device=device)  # per batch position
 
+        # A small batch's noise for every step at once: one pass instead of ~30 small ops a step, which
+        # at a tiny model's size cost as much as its forward (the same bits: train/sampling.py).
+        noise = _noise_ahead(keys, steps, logits.shape[-1]) if keys is not None and not params.greedy else None
         for step in range(steps):
-            token, logprob = _sample(logits, params, generator, keys[live] if keys is not None else None, step)
+            if noise is not None:
+                token, logprob = sample_seeded(logits.float() / params.temperature, noise[live, step], params.top_p)
+            else:
+                token, logprob = _sample(logits, params, generator, keys[live] if keys is not None else None, step)
             tokens[live, step] = token
             logprobs[live, step] = logprob
             hit = torch.isin(token, self._eos_tensor) & ~done
@@ -320,6 +326,22 @@ class TransformersEngine:
         if self.model is None:
             raise RuntimeError("TransformersEngine is closed")
         return self.model
+
+
+NOISE_AHEAD_ELEMENTS = 1 << 21
+"""Rows × steps × vocabulary entries up to which a batch's seeded noise is drawn before its first step
+(8 MiB of float32); larger batches draw each step's as it comes (train/sampling.py `seeded_choice`)."""
+
+
+def _noise_ahead(keys: torch.Tensor, steps: int, vocab: int) -> torch.Tensor | None:
+    """g ``[rows, steps, vocab]`` of every row (``keys`` ``[rows, 2]``) at positions 0 .. steps-1, or None
+    past NOISE_AHEAD_ELEMENTS."""
+    rows = keys.shape[0]
+    if rows * steps * vocab > NOISE_AHEAD_ELEMENTS:
+        return None
+    t = torch.arange(steps, dtype=torch.long, device=keys.device).repeat(rows)
+    k0, k1 = keys[:, 0].repeat_interleave(steps), keys[:, 1].repeat_interleave(steps)
+    return gumbel_noise(k0, k1, t, vocab).view(rows, steps, vocab)
 
 
 def _sample(

@@ -8,6 +8,8 @@ checked against teacher forcing on a second transformers engine with the same we
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +183,22 @@ def test_seeded_sampling_is_the_same_across_sub_batches(engine: TransformersEngi
     finally:
         engine.max_batch_sequences = 64
     assert_same_completions(reordered, first, 1e-5)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_a_small_batchs_noise_drawn_ahead_gives_the_tokens_of_the_noise_drawn_step_by_step(
+        engine: TransformersEngine, monkeypatch: pytest.MonkeyPatch, top_p: float) -> None:
+    from echo2swarm.rollout.engines import hf
+
+    prompts, ids = MIXED_PROMPTS[:4], PROMPT_IDS[:4]
+    params = dataclasses.replace(seeded(ids), top_p=top_p)
+    drawn = []
+    real = hf._noise_ahead
+    monkeypatch.setattr(hf, "_noise_ahead", lambda *a: drawn.append(real(*a)) or drawn[-1])
+    ahead = engine.generate(prompts, params)
+    assert drawn and drawn[0] is not None  # the tiny model's batch is drawn ahead
+    monkeypatch.setattr(hf, "NOISE_AHEAD_ELEMENTS", 0)  # every step's noise as it comes
+    assert_same_completions(engine.generate(prompts, params), ahead, 1e-5)
 
 
 def test_sampling_params_accepts_edges() -> None:
