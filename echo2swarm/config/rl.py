@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from echo2swarm.control.activation import DEFAULT_HYSTERESIS
 from echo2swarm.control.capacity import DEFAULT_GAMMA, DEFAULT_PUBLISH_EVERY, DEFAULT_STALENESS, staleness_problem
 from echo2swarm.runtime.devices import check_cpus, check_device_name
-from echo2swarm.wire.records import MAX_VERIFIERS, PEER_ID_PATTERN
+from echo2swarm.wire.ids import MAX_VERIFIERS, PEER_ID_PATTERN
 from echo2swarm.wire.sampling import SAMPLER
 from echo2swarm.wire.work import MAX_COMPLETION_TOKENS, MAX_GROUP_SIZE, MAX_PROMPTS_PER_LEASE
 

@@ -6,6 +6,8 @@
     work.py       the learner <-> rollout RPC messages (lease, submit)
     sampling.py   the seeded sampler a lease names: its reference, in plain integers and floats
     reach.py      the dial-back probe's request and reply (overlay/reachability.py asks it)
+    checks.py     the learner <-> verifier daemon exact-check messages
+    ids.py        a peer id's text as messages, records and configs check it
     schema.py     the one-line description of a message that fails its schema
     surfaces.py   the RPC surfaces, declared once: verbs, call shapes, request and reply types
 

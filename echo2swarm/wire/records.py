@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, field_validator, model_serializer,
 )
 
+from echo2swarm.wire.ids import MAX_VERIFIERS, PEER_ID_PATTERN
 from echo2swarm.wire.peer_keys import MAX_PUBLIC_KEY_BYTES, PeerKey, PeerKeyError, PeerPublicKey
 from echo2swarm.wire.reach import HolepunchTransport, Reachability
 from echo2swarm.wire.schema import schema_error
@@ -42,9 +43,7 @@ MAX_VERSION = 10**12
 
 PeerState = Literal["starting", "syncing", "ready", "stopping"]
 PEER_STATES: tuple[str, ...] = ("starting", "syncing", "ready", "stopping")
-_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")
-PEER_ID_PATTERN = _PEER_ID.pattern  # a libp2p peer id's text (base58), as configs check one
-MAX_VERIFIERS = 8  # verifier daemons a head may list
+_PEER_ID = re.compile(PEER_ID_PATTERN)
 HEAD_FORMAT = "echo2swarm-head/1"
 # How far past its signed expiry a head may live in the DHT (clock skew between peers).
 HEAD_EXPIRY_SLACK_S = 5.0
