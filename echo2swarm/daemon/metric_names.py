@@ -264,10 +264,11 @@ PUBLISH = Section(  # stats.publish: the newest version the learner published
 )
 REMOTE_CHECKS = counter("learner_remote_checks_total", "Exact checks the learner sent to verifier daemons, by "
                         "outcome: asked, answered, none_answered, no_room (the device had no room: a verifier was "
-                        "asked), declined_room (room enough: computed here), failed, refused_<reason>.", "outcome")
+                        "asked), declined_room (room enough: computed here), failed, skipped (resting after a "
+                        "failure).", "outcome")
 VERIFIERS = Section(
     keys={**{outcome: (REMOTE_CHECKS, outcome)
-             for outcome in ("asked", "answered", "none_answered", "no_room", "declined_room", "failed")},
+             for outcome in ("asked", "answered", "none_answered", "no_room", "declined_room", "failed", "skipped")},
           "wait_s": _one(counter("learner_remote_check_wait_seconds_total",
                                  "Seconds the trainer waited on verifier daemons for exact checks."))},
     prefixes={"refused_": counter("learner_remote_checks_refused_total", "Exact checks verifier daemons refused, "

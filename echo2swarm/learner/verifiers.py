@@ -9,7 +9,7 @@ instead. The learner keeps every verdict: the daemon returns measurements, not d
         offload = never: compute here | when_full: here unless the device's free memory < the
         forward's estimate | always: ask first
         ─► rpc_check(CheckRequest) to each listed verifier in turn (the last to answer first), over the
-           daemon's event loop, `remote_timeout_s` each ─► CheckFigures ─► ExactFigures
+           daemon's event loop, `remote_timeout_s` each (one that did not answer rests REST_S) ─► CheckFigures
         none answered ─► compute here (memory permitting), else the check is unavailable (counted)
 
     verifier daemon ── CheckServer.rpc_check (here, on the verifier)
@@ -47,6 +47,7 @@ from echo2swarm.wire.checks import CheckFigures, CheckRefused, CheckRequest
 from echo2swarm.wire.surfaces import VERIFIER_RPC
 
 logger = get_logger(__name__)
+REST_S = 60.0  # a verifier that did not answer (timeout, transport error) is not asked again for this long
 
 __all__ = ["CheckServer", "RemoteVerifiers", "free_memory_bytes"]
 
@@ -82,6 +83,8 @@ class RemoteVerifiers:
         self.stats: Counter[str] = Counter()
         self.by_peer: dict[str, Counter[str]] = {peer: Counter() for peer in config.verifiers}
         self.seconds = 0.0  # waiting on verifiers, summed
+        self.clock = time.monotonic
+        self._resting: dict[str, float] = {}  # peer -> clock() until which it is not asked (it failed to answer)
 
     def __call__(self, version: int, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  completion_mask: torch.Tensor, keys: torch.Tensor | None, settings: ExactSettings,
@@ -102,6 +105,9 @@ class RemoteVerifiers:
         started = time.perf_counter()
         try:
             for peer in list(self.order):
+                if self._resting.get(peer, 0.0) > self.clock():
+                    self.stats["skipped"] += 1  # it did not answer lately: no step waits on it again soon
+                    continue
                 figures = self._ask(peer, requests, completion_mask)
                 if figures is not None:
                     self.order.remove(peer)
@@ -126,6 +132,7 @@ class RemoteVerifiers:
             except (RpcError, FutureTimeout, asyncio.TimeoutError, OSError) as e:
                 future.cancel()
                 self._count(counts, "failed")
+                self._resting[peer] = self.clock() + REST_S
                 logger.warning("verifier %s gave no figures for v%d: %s: %s", peer[-8:], request.version,
                                type(e).__name__, e)
                 return None

@@ -182,3 +182,32 @@ def test_the_learner_offloads_by_its_rule_and_counts_what_it_could_not_check(
 
     assert unmapped({"role": "learner", "stats": {"verifiers": nowhere.snapshot()}}) == []
     assert unmapped({"role": "verifier", "stats": {"checks": gone.snapshot()}}) == []
+
+
+def test_a_verifier_that_does_not_answer_rests_so_no_step_waits_on_it_again_soon(
+        peaked_model_dir: Path, tmp_path: Path, loop: asyncio.AbstractEventLoop) -> None:
+    from echo2swarm.learner.verifiers import REST_S
+    from echo2swarm.overlay.rpc import RpcError
+
+    lab = Lab(peaked_model_dir, tmp_path / "lab", verify=VerifyConfig(seed=0))
+    groups = lab.generate(range(300, 302), 1, seed=21, seeded=True)
+    lab.train(lab.generate(range(100, 112), 1, seed=12, seeded=True))
+
+    class Gone:
+        calls = 0
+
+        async def check(self, request: CheckRequest, *, timeout: float) -> CheckFigures:
+            Gone.calls += 1
+            raise RpcError("connection refused")
+
+    now = [1000.0]
+    remote = remote_for(lab, loop, server_for(lab), offload="always")
+    remote.stubs[VERIFIER] = Gone()  # type: ignore[assignment]
+    remote.clock = lambda: now[0]
+    for _ in range(2):  # computed here both times; the verifier asked once
+        result = lab.check(remote_verifier(lab, remote, sample_fraction=1.0), groups)
+        assert result.exact == 2 and result.remote == 0
+    assert Gone.calls == 1 and remote.stats["failed"] == 1 and remote.stats["skipped"] == 1
+    now[0] += REST_S + 1
+    lab.check(remote_verifier(lab, remote, sample_fraction=1.0), groups)
+    assert Gone.calls == 2
