@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from echo2swarm.policy.broadcast_plan import (
     MAX_UNPROVEN, TREE_FROM, BroadcastPlan, NatPeer, direct_edge, plan_chains, plan_tree,
 )
-from echo2swarm.sim.population import Peer, fake_peer_id
+from echo2swarm.sim.population import LEARNER_ID, Peer, fake_peer_id
 
 LEARNER = "learner"
 
@@ -42,9 +42,6 @@ class Spread:
     departed: int = 0
     chains: list[list[str]] = field(default_factory=list)  # per stripe, the peers it places (parents first)
     plan: BroadcastPlan | None = None
-
-
-_LEARNER_ID = fake_peer_id(10**9)
 
 
 def _depth(edges: list[list[tuple[str, str | None]]]) -> int:
@@ -82,7 +79,7 @@ def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_
     receivers = [(p.peer_id, int(p.up_bps)) for p in offered]
     trees = shape == "trees" or (shape == "auto" and len(receivers) >= TREE_FROM)
     layout = plan_tree(receivers, seeds, nat=nat, proven=proven) if trees else None
-    plan = BroadcastPlan(swarm="sim", version=1, publisher=_LEARNER_ID, public_key="",
+    plan = BroadcastPlan(swarm="sim", version=1, publisher=LEARNER_ID, public_key="",
                          stripes=[] if layout is not None else plan_chains(receivers, seeds, nat=nat, proven=proven),
                          tree=layout)
     stripes = max(1, plan.stripe_count)

@@ -31,14 +31,13 @@ from echo2swarm.overlay.storage import SHARED_DICT_BYTES
 from echo2swarm.policy.broadcast_plan import BroadcastPlan
 from echo2swarm.policy.follower import DHT_OVERDUE, PLAN_UPSTREAM_DEPTH, next_refresh_wait
 from echo2swarm.sim.dht import SimDHT
-from echo2swarm.sim.population import fake_peer_id
+from echo2swarm.sim.population import BOOTSTRAP_ID, LEARNER_ID
 from echo2swarm.wire.peer_keys import PeerKey
 from echo2swarm.wire.records import HeadRecord, PeerCard, RosterEntry, RosterRecord
 from echo2swarm.wire.signing import PolicyKey
 
 SWARM = "sim"
 DESIGNS = ("today", "shards")
-LEARNER_ID, BOOTSTRAP_ID = fake_peer_id(10**9), fake_peer_id(10**9 + 1)
 
 
 @dataclass(frozen=True)

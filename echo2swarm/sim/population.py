@@ -67,6 +67,9 @@ def fake_peer_id(i: int) -> str:
     return "12D3KooW" + digits.rjust(44, "1")
 
 
+LEARNER_ID, BOOTSTRAP_ID = fake_peer_id(10**9), fake_peer_id(10**9 + 1)  # beyond any drawn peer's i
+
+
 def draw_peers(n: int, nat_share: float, holepunch_share: float, params: float, seed: int) -> list[Peer]:
     """`n` rollout peers, reproducible from `seed`."""
     if not 0 <= nat_share <= 1 or not 0 <= holepunch_share <= 1:
@@ -90,4 +93,4 @@ def draw_peers(n: int, nat_share: float, holepunch_share: float, params: float, 
     return peers
 
 
-__all__ = ["LINK_CLASSES", "MBIT", "Peer", "draw_peers", "fake_peer_id"]
+__all__ = ["BOOTSTRAP_ID", "LEARNER_ID", "LINK_CLASSES", "MBIT", "Peer", "draw_peers", "fake_peer_id"]

@@ -503,17 +503,23 @@ class Verifier:
 
     def _need_bytes(self, rows: int, length: int) -> int:
         """What a forward here would hold: the streamed model's buffers and a few copies of the logits."""
+        self._make_spare_once()
         spare = self._streamed if self._streamed is not None else self._loose
-        if spare is None and self.make_spare is not None and not self._spares:
-            made = self.make_spare()
-            if isinstance(made, Streaming):
-                spare = self._streamed = made
-            else:
-                spare = self._loose = made
         held = int(getattr(spare, "buffer_bytes", 0) or 0)
         config = getattr(getattr(spare, "inner", spare), "config", None)
         vocab = int(getattr(config, "vocab_size", 0) or 0)
         return held + 3 * 4 * rows * length * vocab
+
+    def _make_spare_once(self) -> None:
+        """What older versions run through, made the first time one is needed: something `Streaming`
+        (kept in `_streamed`), or a whole model not yet loaded (`_loose`, the first of `_spares`)."""
+        if self.make_spare is None or self._streamed is not None or self._loose is not None or self._spares:
+            return
+        spare = self.make_spare()
+        if isinstance(spare, Streaming):
+            self._streamed = spare
+        else:
+            self._loose = spare
 
     @contextmanager
     def _version_model(self, version: int) -> Iterator[torch.nn.Module | None]:
@@ -524,12 +530,7 @@ class Verifier:
         if self.weights_of is None or self.make_spare is None:
             yield None
             return
-        if self._streamed is None and self._loose is None and not self._spares:
-            spare = self.make_spare()
-            if isinstance(spare, Streaming):
-                self._streamed = spare
-            else:
-                self._loose = spare
+        self._make_spare_once()
         if self._streamed is None:
             yield self._loaded(version)
             return
