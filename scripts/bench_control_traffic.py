@@ -2,12 +2,12 @@
 """Control-plane traffic per node as the swarm grows: the DHT bytes and requests every daemon sends
 and serves, measured on real daemons while a learner trains and N followers install every version.
 
-    python scripts/bench_control_traffic.py [--followers 4,8,16,40] [--designs upstream,all]
+    python scripts/bench_control_traffic.py [--followers 4,8,16,40] [--designs upstream,all] [--rollouts 2]
                                               [--window-s 30] [--step-s 5] [--announce-period 10] [--json]
 
 Per N, on 127.0.0.1, every daemon through the CLI (forked from one launcher, runtime/launcher.py,
 so that N daemons fit two cores): a bootstrap, a learner training the tiny model on arith (a version
-per step), one rollout peer feeding it, and N relay followers (the follower role without an engine:
+per step), `--rollouts` rollout peers feeding it, and N relay followers (the follower role without an engine:
 they fetch, verify, install and re-serve every version). Once every relay holds a version, the
 counters of every daemon (overlay/traffic.py: DHT requests and protobuf bytes, sent and served) are
 read, again after `--window-s`, and the difference is the traffic of that window. Printed per N:
@@ -15,7 +15,9 @@ the versions published in the window and whether every relay installed the last 
 learner's upload in copies (its chunk-server bytes over the verified bytes one relay fetched in the
 window, from anyone); DHT bytes and requests a second per node (mean, and the busiest node); and the
 growth of the per-node mean against the smallest N, beside N's own growth: a control plane whose
-per-node load grows with N shows a ratio near N's, one that grows logarithmically stays near 1.
+per-node load grows with N shows a ratio near N's, one that grows logarithmically stays near 1; and
+what `echo2swarm simulate` predicts a node's DHT traffic to be for the same swarm (its followers,
+the tiny model's bytes as a dense version, R and T_train as here), with measured / model.
 
 Each N runs once per design of the followers' card reads (`fetch.upstream_cards`): `upstream`, a
 follower placed by the broadcast plan reads its upstream peers' cards by their own keys (the
@@ -89,7 +91,8 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: 
         boot.wait_ready(120)
         join = ["--initial-peers", boot.maddr]
         start("learner", "--config", str(learner_toml(root / "learner.toml", model, key, args.step_s)), *join)
-        start("rollout", "--role", "rollout", "--price", "0.3", "--trust", f"{key}.pub", *join, env=follower_env)
+        for i in range(args.rollouts):
+            start(f"rollout{i}", "--role", "rollout", "--price", "0.3", "--trust", f"{key}.pub", *join, env=follower_env)
         relays = [start(f"relay{i}", "--role", "relay", "--trust", f"{key}.pub", *join, env=follower_env)
                   for i in range(n)]
         for d in daemons:
@@ -140,10 +143,22 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: 
                  - before[name]["stats"].get("card_reads", {}).get("shared", 0)) / elapsed
                 for name in urls if name.rstrip("0123456789") == role), 3)
                 for role in ("bootstrap", "learner", "rollout", "relay")},
+            "model_dht_bytes_per_node_s": predicted(n + args.rollouts, model, args),
         }
     finally:
         for d in reversed(daemons):
             d.terminate(grace=10)
+
+
+def predicted(followers: int, model: Path, args: argparse.Namespace) -> float:
+    """Per-node DHT bytes a second that `echo2swarm simulate` predicts for this swarm: `followers` peers,
+    a dense version of the tiny model's bytes, a step every `--step-s` (the learner's R: 16 rollouts)."""
+    from echo2swarm.sim.run import Scenario, simulate
+
+    version_bytes = sum(p.stat().st_size for p in model.iterdir() if p.is_file())
+    scenario = Scenario(peers=followers, params=version_bytes / 2, dtype_bytes=2, delta_ratio=1.0,
+                        t_train_s=max(args.step_s, 0.1), rollouts_per_step=16, l_gen_s=1.0, nat_share=0.0)
+    return float(simulate(scenario)["control_bytes_per_node_s"])
 
 
 def main() -> None:
@@ -151,6 +166,7 @@ def main() -> None:
     parser.add_argument("--followers", default="4,8,16", help="comma-separated numbers of relay followers")
     parser.add_argument("--designs", default="upstream,all",
                         help="followers' card reads to compare: upstream (by the plan, the default), all (every card)")
+    parser.add_argument("--rollouts", type=int, default=2, help="rollout peers feeding the learner (each loads the model)")
     parser.add_argument("--window-s", type=float, default=30.0, help="seconds of traffic measured per N")
     parser.add_argument("--step-s", type=float, default=5.0, help="the learner's shortest step: a version this often")
     parser.add_argument("--announce-period", type=float, default=10.0,
@@ -168,6 +184,8 @@ def main() -> None:
         parser.error(f"--designs takes {' and '.join(DESIGNS)} separated by commas, not {args.designs!r}")
     if args.window_s <= 0 or args.announce_period <= 0 or args.step_s < 0:
         parser.error("--window-s and --announce-period must be positive, --step-s not negative")
+    if not 1 <= args.rollouts <= 8:
+        parser.error("--rollouts: between 1 and 8")
 
     from echo2swarm.models.tiny import write_tiny_model
     from echo2swarm.wire.signing import PolicyKey
@@ -193,12 +211,13 @@ def main() -> None:
     if args.json:
         return
     print(f"{'followers':>9} {'design':>8} {'versions':>8} {'installed':>9} {'copies':>6} {'DHT B/s/node':>12} {'req/s/node':>10} "
-          f"{'busiest B/s':>11}  growth (per-node bytes / N)")
+          f"{'busiest B/s':>11} {'model B/s':>9} {'meas/model':>10}  growth (per-node bytes / N)")
     for r in results:
         base = next(b for b in results if b["design"] == r["design"])
         growth = r["dht_bytes_per_node_s"] / max(base["dht_bytes_per_node_s"], 1)
         print(f"{r['followers']:>9} {r['design']:>8} {r['versions']:>8} {str(r['all_installed']):>9} {r['learner_copies'] or 0:>6.2f} "
-              f"{r['dht_bytes_per_node_s']:>12,} {r['dht_requests_per_node_s']:>10.1f} {r['busiest_bytes_s']:>11,}  "
+              f"{r['dht_bytes_per_node_s']:>12,} {r['dht_requests_per_node_s']:>10.1f} {r['busiest_bytes_s']:>11,} "
+              f"{r['model_dht_bytes_per_node_s']:>9,.0f} {r['dht_bytes_per_node_s'] / max(r['model_dht_bytes_per_node_s'], 1):>9.2f}x  "
               f"x{growth:.2f} / x{r['followers'] / base['followers']:.2f} ({r['busiest']})")
 
     if set(designs) == set(DESIGNS):

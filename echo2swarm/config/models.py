@@ -455,6 +455,11 @@ class PublishConfig(StrictModel):
         "auto", description="Broadcast plan per stripe: a chain through every peer, or a tree over the fastest "
         "(protocol.md §5.5); auto: trees from 64 planned peers. chains: for swarms with daemons older than trees.",
     )
+    plan_unproven: int = Field(
+        32, ge=0, le=4096,
+        description="Followers never seen working (relays, newcomers) a broadcast plan places after those seen "
+        "working; the rest fetch from planned peers (foster parents: operations.md, 'Bandwidth and broadcast').",
+    )
     cards_refresh_s: float | None = Field(
         None, gt=0, le=60, description="Seconds between the learner's reads of the peer cards while a version "
         "spreads: what T_bcast is measured with and the next plan is drawn from. None: half the overlay's "

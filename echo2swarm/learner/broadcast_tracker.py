@@ -17,9 +17,10 @@ for up to REPORT_WAIT_MAX_S. A version about to leave the KEEP_PLANS window is s
 Bounded whatever the DHT holds: the overlay hands over at most `overlay.max_cards` cards, and a
 plan puts the followers seen doing work (groups the intake accepted from them) first, in the order
 of their uplinks (`planned_upload`: measured, within the cap; self-reported like every card field),
-and at most MAX_UNPROVEN others after them, towards the tail of every chain, where a card that leads
-nowhere (anyone can sign cards with fresh keys) holds up no proven peer; in a tree they forward only
-on a quarter of the cap they claim (policy/broadcast_plan.py `plan_tree`). A planned peer that never
+and at most `publish.plan_unproven` (MAX_UNPROVEN) others after them, towards the tail of every chain,
+where a card that leads nowhere (anyone can sign cards with fresh keys) holds up no proven peer; in a
+tree they forward only on a quarter of the cap they claim (policy/broadcast_plan.py `plan_tree`). The
+followers past that bound fetch from planned peers, their foster parents (`BroadcastPlan.fosters`). A planned peer that never
 reports a version is planned last, with no uplink counted, for the next DEMOTE_VERSIONS versions.
 
 The evidence is published too: every refresh, the peers whose delivered groups grew are noted with
@@ -62,7 +63,7 @@ def planned_upload(card: PeerCard) -> int | None:
 class BroadcastTracker:
     def __init__(self, overlay: Overlay, key: PolicyKey, seeds: int, refresh_s: float, ewma_alpha: float,
                  clock: Callable[[], float] = time.monotonic, excluded: Callable[[], Collection[str]] = lambda: (),
-                 delivered: Callable[[], Mapping[str, int]] = dict, shape: str = "auto"):
+                 delivered: Callable[[], Mapping[str, int]] = dict, shape: str = "auto", unproven: int = MAX_UNPROVEN):
         self.overlay = overlay
         self.delivered = delivered  # groups accepted per peer so far (the intake's tally): evidence of work
         self._delivered_seen: dict[str, int] = {}
@@ -71,6 +72,7 @@ class BroadcastTracker:
         self.key = key
         self.seeds = seeds
         self.shape = shape  # publish.plan_shape: chains, trees, or auto (trees from TREE_FROM receivers)
+        self.unproven = unproven  # publish.plan_unproven: followers not seen working that a plan places at most
         self.refresh_s = refresh_s
         self.cards: list[PeerCard] = []
         self.plans: OrderedDict[int, bytes] = OrderedDict()
@@ -124,11 +126,13 @@ class BroadcastTracker:
 
     def receivers(self) -> list[tuple[str, int | None]]:
         """(peer id, upload bytes/s) to plan over, with their uplinks (`planned_upload`): the followers seen
-        working, then at most MAX_UNPROVEN others (newest cards first); `plan` ranks the latter after the former."""
+        working, then at most `unproven` others (newest cards first; publish.plan_unproven, MAX_UNPROVEN by
+        default); `plan` ranks the latter after the former. The rest fetch from their foster parents in the
+        plan (`BroadcastPlan.fosters`)."""
         worked = self._proven()
         followers = self.followers()
         proven = [c for c in followers if c.peer_id in worked]
-        others = sorted((c for c in followers if c.peer_id not in worked), key=lambda c: -c.updated_ms)[:MAX_UNPROVEN]
+        others = sorted((c for c in followers if c.peer_id not in worked), key=lambda c: -c.updated_ms)[:self.unproven]
         return [(c.peer_id, planned_upload(c)) for c in proven + others]
 
     def note_deliveries(self) -> None:

@@ -84,7 +84,7 @@ class Learner:
         self.broadcast = BroadcastTracker(overlay, self.key, config.publish.seeds, refresh_s=refresh_s,
                                           ewma_alpha=config.activation.ewma_alpha, excluded=lambda: self.ledger.bans.keys(),
                                           delivered=lambda: self.intake.delivered if self.intake else {},  # roster
-                                          shape=config.publish.plan_shape)
+                                          shape=config.publish.plan_shape, unproven=config.publish.plan_unproven)
         # Cost-aware activation (docs/architecture.md §8); T_bcast from the broadcast tracker once it measures one.
         self.activation = LearnerActivation(config.activation, self.train, t_bcast=lambda: self.broadcast.t_bcast_s)
         self.run_dir = Path(self.train.run_dir or Path(config.state_dir) / "run")

@@ -31,16 +31,17 @@ Chains are ordered by advertised upload bandwidth, fastest first: every peer but
 the stripe once, so the slowest uplinks go to the tail where they upload nothing. Peers without a
 cap (`upload_bps` null) count as fastest. Uplinks are claims, and identities are free: given the
 peers the learner saw doing work (`proven`), every other peer comes after them (within its NAT
-tier), so no fresh key claiming an uncapped uplink heads a chain ahead of a delivering peer. A plan covers at most MAX_PLAN_ENTRIES / seeds peers (the fastest),
-which keeps it far below MAX_PLAN_BYTES; the rest fetch from holders. The plan is a hint, signed by the policy key so that nobody
+tier), so no fresh key claiming an uncapped uplink heads a chain ahead of a delivering peer. A plan
+covers at most MAX_PLAN_ENTRIES / seeds peers (far below MAX_PLAN_BYTES); the followers it leaves out
+(those, newcomers past MAX_UNPROVEN, late joiners) fetch from two planned peers, their `fosters`. The plan is a hint, signed by the policy key so that nobody
 else can steer the swarm's traffic; fetchers keep asking a parent that has not begun the version yet
 (`fetcher.ParentPatience`, up to fetch.source_wait_s: it saw the head a moment after its child), fall
-back to any holder (learner last) when their parent is slow, gone or lying, and peers that joined
-after publication use holders only.
+back to any holder (learner last) when their parent is slow, gone or lying.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -62,6 +63,7 @@ TREE_FROM = 64  # receivers from which `make_plan(shape="auto")` plans trees ins
 UNCAPPED_BPS = 1.25e9  # what a card without an upload cap counts for when interior peers are chosen (10 Gbit/s)
 UNPROVEN_SHARE = 0.25  # the share of its claimed uplink a peer not seen working counts for there
 MAX_UNPROVEN = 32  # followers never seen doing work that a plan covers (relays, newcomers, fakes)
+FOSTERS = 2  # planned peers a follower the plan does not place fetches from (`BroadcastPlan.fosters`)
 _PEER_ID = r"^[1-9A-HJ-NP-Za-km-z]{20,128}$"
 
 
@@ -124,7 +126,7 @@ class BroadcastPlan(BaseModel):
         return self.tree.stripes if self.tree is not None else len(self.stripes)
 
     def places(self, peer_id: str) -> bool:
-        """Whether the plan names `peer_id` (a fetcher it does not place uses holders only)."""
+        """Whether the plan names `peer_id` (a fetcher it does not place uses its `fosters`, then holders)."""
         if self.tree is not None:
             return peer_id in self._positions()
         return any(peer_id in chain for chain in self.stripes)
@@ -159,6 +161,28 @@ class BroadcastPlan(BaseModel):
         except ValueError:
             return None
         return self.publisher if position == 0 else chain[position - 1]
+
+    def fosters(self, peer_id: str, count: int = FOSTERS) -> list[str]:
+        """The planned peers a follower the plan does not place fetches from before any other source (its
+        foster parents): `count` of them, drawn by a hash of its peer id and the version (so the followers
+        left out spread over the plan, and over time), from the peers with no planned upload when there
+        are any (a tree's leaves), else from all. Empty for a peer the plan places, or an empty plan.
+
+        Left out are followers past the plan's bounds: never seen working beyond MAX_UNPROVEN, past
+        MAX_PLAN_ENTRIES, or joined after the plan was made. Without foster parents they took the version
+        from the learner whenever no follower held all of it yet, one upload more of its scarce uplink each."""
+        if self.tree is not None:
+            order, interior = self.tree.order, self.tree.stripes * self.tree.interior
+            spare = order[interior:] or order
+        else:
+            spare = self.stripes[0] if self.stripes else []
+        if not spare or self.places(peer_id):
+            return []
+        seed = int.from_bytes(hashlib.sha256(f"{peer_id}/{self.version}".encode()).digest()[:8], "big")
+        first, out = seed % len(spare), []
+        for k in range(min(count, len(spare))):
+            out.append(spare[(first + k * max(1, len(spare) // max(1, count))) % len(spare)])
+        return list(dict.fromkeys(out))
 
     def edges(self) -> list[list[tuple[str, str | None]]]:
         """Per stripe, (peer, its parent or None for the publisher), every parent before its children."""
@@ -263,7 +287,8 @@ def plan_chains(receivers: Sequence[tuple[str, int | None]], seeds: int,
 
     Every peer of a chain but the last is its successor's parent, and a parent must be dialable: a
     peer in `undialable` (behind NAT without a relay slot yet: its card says `private`) is
-    therefore left out of the plan; it fetches from holders and the learner, as late joiners do.
+    therefore left out of the plan; it fetches from its foster parents (`fosters`), holders and the learner,
+    as late joiners do.
     Relayed peers stay in: the chain's next peer dials them through their relay.
 
     >>> plan_chains([("a", 10), ("b", 30), ("c", None)], seeds=2)

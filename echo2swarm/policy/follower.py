@@ -8,10 +8,10 @@
 
 Each chunk's route comes from the learner's signed broadcast plan (policy/broadcast_plan.py) and the
 peer cards: plan parent first (held open until it has the chunk), then peers holding the whole
-version, then the learner. A follower the plan places reads only the cards of the peers upstream of
-it (its parents and theirs, by their own DHT keys: a few lookups whatever the swarm's size); one it
-does not place reads the swarm's cards. They are re-read while a fetch runs, so holders that finish
-meanwhile take load off the learner.
+version, then the learner; one the plan leaves out asks its foster parents first (`BroadcastPlan.fosters`).
+A follower reads only the cards of its upstream peers (its parents and theirs) or fosters, by their own
+DHT keys (a few lookups whatever the swarm's size); without a plan, the swarm's cards. They are re-read
+while a fetch runs, so holders that finish meanwhile take load off the learner.
 
 An offered head goes through exactly the same checks as one read from the DHT; it only saves
 the poll interval, which matters when the learner publishes every fraction of a second. Once a
@@ -407,13 +407,22 @@ class PolicyFollower:
 
     # -- sources ---------------------------------------------------------------------------------
     def _upstream(self) -> list[str] | None:
-        """The peers before us in the plan of the version being fetched (PLAN_UPSTREAM_DEPTH a chain);
-        None when no such plan places us."""
+        """The peers before us in the plan of the version being fetched (PLAN_UPSTREAM_DEPTH a chain), or
+        our foster parents in it when it leaves us out; None without such a plan."""
         plan, me = self.plan, self.overlay.peer_id
-        if not self.fetch_config.upstream_cards or plan is None or plan.version != self.fetching_version \
-                or not plan.places(me):
+        if not self.fetch_config.upstream_cards or plan is None or plan.version != self.fetching_version:
             return None
+        if not plan.places(me):
+            return plan.fosters(me) or None
         return plan.upstream(me, PLAN_UPSTREAM_DEPTH)
+
+    def _fosters(self) -> list[str]:
+        """Our foster parents in the plan of the version being fetched (`BroadcastPlan.fosters`): planned
+        peers we ask before holders and the learner when the plan leaves us out."""
+        plan = self.plan
+        if plan is None or plan.version != self.fetching_version:
+            return []
+        return plan.fosters(self.overlay.peer_id)
 
     async def _refresh_cards(self) -> None:
         """With a plan that places us: the cards of our upstream peers and the learner, by their own keys,
@@ -456,7 +465,7 @@ class PolicyFollower:
         if plan is None or cards_read.is_set():
             return
         me, known = self.overlay.peer_id, {c.peer_id for c in self._cards} | set(self._sources)
-        parents = {plan.parent(me, i) for i in range(plan.stripe_count)} - {None, plan.publisher}
+        parents = ({plan.parent(me, i) for i in range(plan.stripe_count)} | set(self._fosters())) - {None, plan.publisher}
         if parents <= known:
             return
         with contextlib.suppress(asyncio.TimeoutError):
@@ -558,17 +567,23 @@ class PolicyFollower:
 
     def _route(self, head: HeadRecord, publisher: ChunkSource, index: int, ref: ChunkRef, version: int | None = None,
                planned: bool = True) -> list[tuple[ChunkSource, float]]:
-        """Where to get chunk `index` of `version` (default: the head's): plan parent (may wait for it;
-        only on the head version's hops, whatever their path), holders (rotated),
-        learner last."""
+        """Where to get chunk `index` of `version` (default: the head's): plan parent, or our foster parents
+        when the plan leaves us out (either may wait for it; only on the head version's hops, whatever
+        their path), holders (rotated), learner last."""
         if not self.fetch_config.peer_assist:
             return [(publisher, 0.0)]
         version = head.version if version is None else version
         route: list[tuple[ChunkSource, float]] = []
         parent = self.plan.parent(self.overlay.peer_id, index) if self.plan is not None and planned else None
+        parents: list[str] = []
         if parent == head.publisher:
             route.append((publisher, 0.0))
         elif parent is not None:
+            parents = [parent]
+        elif planned and (fosters := self._fosters()):  # left out of the plan: foster parents, in turn by chunk
+            k = index % len(fosters)
+            parents = fosters[k:] + fosters[:k]
+        for parent in parents:
             if (source := self._source_for(parent)) is not None:
                 # a parent whose card shows it far behind is catching up itself (it may skip this version),
                 # one already past this version will never fetch it: asked first, but not waited for

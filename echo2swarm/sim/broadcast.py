@@ -8,10 +8,10 @@
                  arrival = Σ_{j ≤ k} (chunk / r_j + rtt_j) + (stripe bytes − chunk) / min_{j ≤ k} r_j
                  (store and forward a chunk a hop, the rest pipelined behind the slowest hop so far)
     a peer holds the version when the last of its stripes arrives
-    a peer the plan leaves out (past MAX_PLAN_ENTRIES / seeds, `private`, or, as a what-if, an uplink under
-                 `plan_min_up_bps`) fetches the whole version
-                 from one holder in the plan, picked at random, once that one holds it; a holder's
-                 uplink is shared among the peers that picked it
+    a peer the plan leaves out (past MAX_PLAN_ENTRIES / seeds or MAX_UNPROVEN, `private`, or, as a what-if,
+                 an uplink under `plan_min_up_bps`) fetches the whole version from its foster parents
+                 (`BroadcastPlan.fosters`: planned peers, a tree's leaves), chunks in turn, once they hold
+                 it; a foster's uplink is shared among the peers it fosters
     churn: a parent that leaves during the version (probability churn/h x its arrival) costs each of
                  its children fetch.source_wait_s before it goes around it
 
@@ -119,16 +119,18 @@ def spread(peers: list[Peer], version_bytes: float, chunk_bytes: float, learner_
                  chain_length=depth, departed=len(departed), chains=chains, plan=plan)
     rest = [p for p in peers if p.peer_id not in arrival]
     if rest and planned:
-        picks = [rng.choice(planned) for _ in rest]
+        picks = [plan.fosters(p.peer_id) for p in rest]
         load: dict[str, int] = {}
-        for h in picks:
-            load[h] = load.get(h, 0) + 1
-        for peer, h in zip(rest, picks):
-            holder = by_id[h]
-            rate = min(peer.down_bps, holder.up_bps / load[h])
-            if not direct_edge(h, peer.peer_id, nat):
-                rate = min(rate, relay_bps)
-            arrival[peer.peer_id] = arrival[h] + max(peer.rtt_s, holder.rtt_s) + version_bytes / rate
+        for fosters in picks:
+            for h in fosters:
+                load[h] = load.get(h, 0) + 1
+        for peer, fosters in zip(rest, picks):
+            # chunks in turn from each foster parent (`rates` add up), once the last of them holds the version
+            rates = [holder.up_bps / load[h] if direct_edge(h, peer.peer_id, nat) else
+                     min(holder.up_bps / load[h], relay_bps) for h, holder in ((h, by_id[h]) for h in fosters)]
+            rate = min(peer.down_bps, sum(rates))
+            arrival[peer.peer_id] = (max(arrival[h] for h in fosters) + max(peer.rtt_s, *(by_id[h].rtt_s for h in fosters))
+                                     + version_bytes / rate)
     elif rest:  # nobody planned (every follower private): each from the learner, sharing its uplink
         for peer in rest:
             arrival[peer.peer_id] = peer.rtt_s + version_bytes / min(peer.down_bps, learner_up_bps / len(rest))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 
 import pytest
@@ -330,3 +331,35 @@ def test_a_tree_for_a_huge_swarm_fits_what_followers_accept():
     data = plan.to_bytes()
     assert plan.tree is not None and len(plan.tree.order) == MAX_PLAN_ENTRIES and len(data) <= MAX_PLAN_BYTES
     assert verify_plan(data, trusted=key.public, swarm="s", version=1, publisher=LEARNER).tree == plan.tree
+
+
+def test_followers_left_out_get_foster_parents_among_the_planned_peers_that_upload_nothing_else():
+    from collections import Counter
+
+    from echo2swarm.policy.broadcast_plan import FOSTERS
+
+    key = PolicyKey.generate()
+    left_out = _ids(1200)[1000:]
+    uplinks = [(p, 10**8 if i < 30 else 10**6) for i, p in enumerate(_ids(300))]  # a wide fan-out over 30 fast peers
+    tree_plan = make_plan(key, "s", 7, LEARNER, uplinks, seeds=2)
+    chain_plan = make_plan(key, "s", 7, LEARNER, [(p, 10**7) for p in _ids(20)], seeds=2)
+    for plan in (tree_plan, chain_plan):
+        edges = plan.edges()
+        uploading = {up for rows in edges for _, up in rows if up is not None}
+        picks: Counter[str] = Counter()
+        for peer in left_out:
+            fosters = plan.fosters(peer)
+            assert len(fosters) == len(set(fosters)) == FOSTERS and all(plan.places(f) for f in fosters)
+            assert fosters == plan.fosters(peer)  # the same for every fetch of this version
+            picks.update(fosters)
+        if plan.tree is not None:  # a tree's leaves, never an interior peer (those forward a stripe already)
+            assert plan.tree.fanout > 2 and not picks.keys() & uploading
+            assert len(picks) >= 0.6 * (len(plan.tree.order) - len(uploading))
+        else:
+            assert len(picks) == 20  # a chain plan: any planned peer
+        assert max(picks.values()) <= 3 * statistics.mean(picks.values())  # spread, not a hot spot
+        placed = plan.edges()[0][-1][0]
+        assert plan.fosters(placed) == []  # a peer the plan places has parents, not fosters
+    # Another version, other fosters: a follower left out for a while does not load the same peers forever.
+    later = make_plan(key, "s", 8, LEARNER, uplinks, seeds=2)
+    assert sum(later.fosters(p) != tree_plan.fosters(p) for p in left_out) > len(left_out) // 2
