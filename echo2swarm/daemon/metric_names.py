@@ -125,7 +125,8 @@ PLAN_PARENT = counter("fetch_plan_parent_events_total", "What happened with plan
                       "had not begun the version, asked again), passed_over (a parent given up on after "
                       "fetch.source_wait_s), unknown (the plan named a parent with no card yet: the card read was "
                       "awaited), behind (its card showed it catching up, over 3 versions back: not waited for), past (its card "
-                      "showed it on a newer version, neither holding nor fetching this one: not waited for).",
+                      "showed it on a newer version, neither holding nor fetching this one: not waited for), card_fallback (a "
+                      "parent's or foster parent's card not found under its own key: the card shards read for it).",
                       "event")
 HEDGES = counter("fetch_hedges_total", "Hedged chunk and manifest requests: fired (another source asked beside a "
                  "request that ran past fetch.hedge_after x the recent median chunk time), won (the hedge's copy was "
@@ -138,7 +139,8 @@ FETCH = Section(
         "source_off_path": _one(counter("fetch_off_path_answers_total", "Of the missing answers, those of sources on "
                                         "another path of the version (gone around, not asked again that fetch).")),
         **{f"source_{outcome}": (SOURCE_FAILURES, outcome) for outcome in ("busy", "unreachable", "missing", "error")},
-        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind", "past")},
+        **{f"parent_{event}": (PLAN_PARENT, event) for event in ("not_begun", "passed_over", "unknown", "behind", "past",
+                                                                               "card_fallback")},
         **{f"hedges_{outcome}": (HEDGES, outcome) for outcome in ("fired", "won")},
         "hedge_bytes": _one(counter("fetch_hedge_discarded_bytes_total", "Bytes received by requests cancelled "
                                     "because another copy won the race (duplicates; not in fetch_received_bytes_total).")),

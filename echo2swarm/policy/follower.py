@@ -416,6 +416,15 @@ class PolicyFollower:
             return plan.fosters(me) or None
         return plan.upstream(me, PLAN_UPSTREAM_DEPTH)
 
+    def _parents(self) -> set[str]:
+        """The peers the plan of the version being fetched has us fetch from: our parents in every stripe
+        (the publisher left out), or our foster parents."""
+        plan = self.plan
+        if plan is None or plan.version != self.fetching_version:
+            return set()
+        me = self.overlay.peer_id
+        return ({plan.parent(me, i) for i in range(plan.stripe_count)} | set(plan.fosters(me))) - {None, plan.publisher}
+
     def _fosters(self) -> list[str]:
         """Our foster parents in the plan of the version being fetched (`BroadcastPlan.fosters`): planned
         peers we ask before holders and the learner when the plan leaves us out."""
@@ -432,6 +441,15 @@ class PolicyFollower:
         upstream = self._upstream()
         if upstream is not None:
             cards, _ = await self.overlay.get_named_cards([*upstream, *([self.publisher] if self.publisher else [])])
+            found = {c.peer_id for c in cards}
+            missing = [p for p in self._parents() if p not in found and p not in self._sources]
+            if missing:
+                # A card stored while its peer's DHT routing was young can sit on nodes a lookup of its own key
+                # does not reach for a while (16 relays started at once: a parent unknown for whole versions,
+                # each of its chunks from the learner); the card shards hold it too.
+                self.fetcher.stats["parent_card_fallback"] += 1
+                more, _ = await self.overlay.get_cards(prefer=missing, whole=False)
+                cards += [c for c in more if c.peer_id in missing]
         else:
             cards, _ = await self.overlay.get_cards(prefer=[self.publisher] if self.publisher else (), whole=False)
         self._cards = [c for c in cards if c.peer_id != self.overlay.peer_id and c.state != "stopping"]
@@ -464,9 +482,8 @@ class PolicyFollower:
         its parent goes to the learner, one more upload on the swarm's scarcest uplink."""
         if plan is None or cards_read.is_set():
             return
-        me, known = self.overlay.peer_id, {c.peer_id for c in self._cards} | set(self._sources)
-        parents = ({plan.parent(me, i) for i in range(plan.stripe_count)} | set(self._fosters())) - {None, plan.publisher}
-        if parents <= known:
+        known = {c.peer_id for c in self._cards} | set(self._sources)
+        if self._parents() <= known:
             return
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(cards_read.wait(), self.fetch_config.manifest_timeout_s)
