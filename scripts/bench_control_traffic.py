@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from echo2swarm.runtime.launcher import Launcher  # noqa: E402
-from echo2swarm.runtime.processes import DaemonProcess, loopback_args, wait_until  # noqa: E402
+from echo2swarm.runtime.processes import DaemonProcess, loopback_args, terminate_all, wait_until  # noqa: E402
 
 SWARM = "bench-control"
 
@@ -146,8 +146,7 @@ def run(root: Path, launcher: Launcher, model: Path, key: Path, n: int, design: 
             "model_dht_bytes_per_node_s": predicted(n + args.rollouts, model, args),
         }
     finally:
-        for d in reversed(daemons):
-            d.terminate(grace=10)
+        terminate_all(list(reversed(daemons)), grace=10)
 
 
 def predicted(followers: int, model: Path, args: argparse.Namespace) -> float:

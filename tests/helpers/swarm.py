@@ -20,6 +20,7 @@ from echo2swarm.runtime.processes import (
     child_pids,
     loopback_args,
     pid_alive,
+    terminate_all,
     wait_until,
 )
 from echo2swarm.runtime.launcher import Launcher
@@ -134,10 +135,10 @@ class LocalSwarm:
         return [(d.name, log_digest(d, lines)) for d in self.all_daemons()]
 
     def close(self) -> None:
-        for d in reversed(self.daemons):
+        for d in self.daemons:
             if d.running():
                 self._children.update(child_pids(d.pid))
-            d.terminate(grace=10)
+        terminate_all(list(reversed(self.daemons)), grace=10)  # all at once: a swarm stops in one shutdown's time
         for pid in self._children:  # only pids our daemons spawned (p2pd)
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2swarm.runtime.launcher import Launcher
-from echo2swarm.runtime.processes import DaemonProcess
+from echo2swarm.runtime.processes import DaemonProcess, terminate_all
 from tests.helpers.wanlab import Host, WanLab
 
 
@@ -81,5 +81,4 @@ class WanSwarm:
         return host.run(["env", "COLUMNS=150", sys.executable, "-m", "echo2swarm.cli.main", *args], timeout=timeout)
 
     def close(self) -> None:
-        for d in reversed(self.daemons):
-            d.terminate(grace=10)
+        terminate_all(list(reversed(self.daemons)), grace=10)
