@@ -472,7 +472,11 @@ class PolicyFollower:
             first = False
             if read is not None:
                 read.set()
-            sampling = self._upstream() is None and self.overlay.cards.depth.bits > 0
+            # Not placed (a sample of the card shards, or our fosters' cards: their addresses, once read, are kept
+            # in `_sources`): fewer reads as the fetch goes on.
+            plan = self.plan
+            placed = plan is not None and plan.version == self.fetching_version and plan.places(self.overlay.peer_id)
+            sampling = not (placed and self.fetch_config.upstream_cards) and self.overlay.cards.depth.bits > 0
             wait = next_refresh_wait(wait, self.fetch_config.holders_refresh_s, self.overlay.config.record_ttl_s,
                                      sampling)
 

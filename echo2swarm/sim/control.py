@@ -6,8 +6,9 @@ announce period; the learner stores its head and roster as often; followers read
 the DHT every DHT_OVERDUE x head_poll_s; the learner reads the cards at every broadcast-tracker
 refresh (its re-plans and departed-lease checks reuse that read); a follower reads cards when a fetch begins
 and every holders_refresh_s while it lasts: its upstream peers' own keys when the plan places it
-(`BroadcastPlan.upstream`), else the learner's roster and the cards `get_cards(whole=False)` reads
-(in a sharded swarm at a wait that doubles each time, up to the record TTL).
+(`BroadcastPlan.upstream`), its foster parents' when it leaves it out (`BroadcastPlan.fosters`; not in
+`today`, which had none), else the learner's roster and the cards `get_cards(whole=False)` reads
+(the last two in a sharded swarm at a wait that doubles each time, up to the record TTL).
 
 Designs: `today` keeps every card in the one shard of depth 0 (`<swarm>/peers`, as before card
 shards); `shards` lets the learner's `ShardDepth` choose the depth from what its reads find (the
@@ -177,6 +178,12 @@ def control_traffic(design: str, ids: Sequence[str], active: Collection[str], pl
         who = index[p]
         if p in placed and plan is not None and fetch.upstream_cards:
             for up in plan.upstream(p, PLAN_UPSTREAM_DEPTH):
+                read(card_key(SWARM, up), who, rate)
+            read(card_key(SWARM, learner), who, rate)
+            continue
+        fosters = plan.fosters(p) if plan is not None and design != "today" and fetch.upstream_cards else []
+        if fosters:  # left out of the plan: its foster parents' cards and the learner's, by their own keys
+            for up in fosters:
                 read(card_key(SWARM, up), who, rate)
             read(card_key(SWARM, learner), who, rate)
             continue

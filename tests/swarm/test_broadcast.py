@@ -61,16 +61,20 @@ def test_sixteen_relays_under_a_tree_and_foster_parents_cost_the_learner_one_cop
     # the 40-relay benchmark's plan leaves 8 of its relays out: those take the version from their foster
     # parents (BroadcastPlan.fosters), not from the learner.
     local_swarm.bootstrap()
-    # Every relay is one client here (127.0.0.1): budgets per client as 16 hosts' would add up.
-    relays = _relays(local_swarm, policy_key, [f"r{i}" for i in range(16)], env=HOSTS)
+    # Every relay is one client here (127.0.0.1): budgets per client as 16 hosts' would add up. Cards every 3 s
+    # and heads every 1 s (the long-poll of the learner's head after the first): 16 relays announcing every
+    # second and polling the DHT five times a second starved a test on the other CI worker of both cores.
+    quiet = ["--announce-period", "3", "--record-ttl", "9"]
+    relays = _relays(local_swarm, policy_key, [f"r{i}" for i in range(16)], *quiet,
+                     env={**HOSTS, "ECHO2SWARM_FETCH__HEAD_POLL_S": "1"})
     by_id = {r.info["peer_id"]: r for r in relays}
     _wait_for_cards(local_swarm, set(by_id))
-    learner = local_swarm.learner(tiny_model_dir, policy_key, "--upload-limit", "1MiB", "--chunk-size", CHUNK,
+    learner = local_swarm.learner(tiny_model_dir, policy_key, "--upload-limit", "1MiB", "--chunk-size", CHUNK, *quiet,
                                   env={"ECHO2SWARM_PUBLISH__PLAN_SHAPE": "trees", "ECHO2SWARM_PUBLISH__PLAN_UNPROVEN": "10",
                                        **HOSTS})
     local_swarm.ready(learner)
     for relay in relays:
-        wait_until(lambda: _info(relay)["versions"] == [1], 60, interval=0.2, what=f"{relay.name} at v1")
+        wait_until(lambda: _info(relay)["versions"] == [1], 90, interval=0.5, what=f"{relay.name} at v1")
 
     plan = http_json(learner.info["chunk_url"] + "/v1/plan/1")
     placed = set(plan["tree"]["order"])
