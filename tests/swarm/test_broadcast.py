@@ -64,7 +64,7 @@ def test_sixteen_relays_under_a_tree_and_foster_parents_cost_the_learner_one_cop
     # Every relay is one client here (127.0.0.1): budgets per client as 16 hosts' would add up. Cards every 3 s
     # and heads every 1 s (the long-poll of the learner's head after the first): 16 relays announcing every
     # second and polling the DHT five times a second starved a test on the other CI worker of both cores.
-    quiet = ["--announce-period", "3", "--record-ttl", "9"]
+    quiet = ["--announce-period", "3", "--record-ttl", "9", "--log-level", "INFO"]
     relays = _relays(local_swarm, policy_key, [f"r{i}" for i in range(16)], *quiet,
                      env={**HOSTS, "ECHO2SWARM_FETCH__HEAD_POLL_S": "1"})
     by_id = {r.info["peer_id"]: r for r in relays}
