@@ -53,24 +53,26 @@ def _genuine_chunks(state_dir: Path) -> int:
     return len(files)
 
 
-def test_sixteen_relays_under_a_tree_and_foster_parents_cost_the_learner_one_copy(
+def test_relays_under_a_tree_and_foster_parents_cost_the_learner_one_copy(
     local_swarm: LocalSwarm, tiny_model_dir: Path, policy_key: Path
 ):
     # A tree plan (what swarms of 64 planned peers and more get; chains, the smaller swarms' plan, are the
-    # other tests' here) over 10 of 16 relays (publish.plan_unproven = 10: none of them was seen working), as
+    # other tests' here) over 6 of 10 relays (publish.plan_unproven = 6: none of them was seen working), as
     # the 40-relay benchmark's plan leaves 8 of its relays out: those take the version from their foster
-    # parents (BroadcastPlan.fosters), not from the learner.
+    # parents (BroadcastPlan.fosters), not from the learner. 10 relays, not the 16 issue 35 suggests: 16
+    # cost make test ~50 s (18 daemons starting beside the other CI worker's test); the 40 are a benchmark
+    # (scripts/bench_control_traffic.py).
     local_swarm.bootstrap()
-    # Every relay is one client here (127.0.0.1): budgets per client as 16 hosts' would add up. Cards every 3 s
+    # Every relay is one client here (127.0.0.1): budgets per client as 10 hosts' would add up. Cards every 3 s
     # and heads every 1 s (the long-poll of the learner's head after the first): 16 relays announcing every
     # second and polling the DHT five times a second starved a test on the other CI worker of both cores.
     quiet = ["--announce-period", "3", "--record-ttl", "9", "--log-level", "INFO"]
-    relays = _relays(local_swarm, policy_key, [f"r{i}" for i in range(16)], *quiet,
+    relays = _relays(local_swarm, policy_key, [f"r{i}" for i in range(10)], *quiet,
                      env={**HOSTS, "ECHO2SWARM_FETCH__HEAD_POLL_S": "1"})
     by_id = {r.info["peer_id"]: r for r in relays}
     _wait_for_cards(local_swarm, set(by_id))
     learner = local_swarm.learner(tiny_model_dir, policy_key, "--upload-limit", "1MiB", "--chunk-size", CHUNK, *quiet,
-                                  env={"ECHO2SWARM_PUBLISH__PLAN_SHAPE": "trees", "ECHO2SWARM_PUBLISH__PLAN_UNPROVEN": "10",
+                                  env={"ECHO2SWARM_PUBLISH__PLAN_SHAPE": "trees", "ECHO2SWARM_PUBLISH__PLAN_UNPROVEN": "6",
                                        **HOSTS})
     local_swarm.ready(learner)
     for relay in relays:
@@ -78,10 +80,10 @@ def test_sixteen_relays_under_a_tree_and_foster_parents_cost_the_learner_one_cop
 
     plan = http_json(learner.info["chunk_url"] + "/v1/plan/1")
     placed = set(plan["tree"]["order"])
-    assert plan["stripes"] == [] and len(placed) == 10 and placed <= set(by_id)
+    assert plan["stripes"] == [] and len(placed) == 6 and placed <= set(by_id)
     served = _info(learner)["stats"]["server"]["bytes_served"]
     model = _model_bytes(tiny_model_dir)
-    # Sixteen full copies left the swarm's peers; the learner uploaded about one of them: a relay whose plan
+    # Ten full copies left the swarm's peers; the learner uploaded about one of them: a relay whose plan
     # parent (or foster parent) had not begun v1 yet asked it again (ParentPatience) instead of the learner,
     # and none routed a chunk before it knew its parent's card.
     assert served <= 1.1 * model, (served, model)
@@ -98,7 +100,7 @@ def test_sixteen_relays_under_a_tree_and_foster_parents_cost_the_learner_one_cop
         if peer_id not in placed:  # left out of the plan: all of it from planned peers
             assert not any(name.startswith("learner:") for name in sources), (relay.name, sources)
         assert _genuine_chunks(relay.state_dir) > 1
-    assert from_peers >= 14 * model, "most bytes must have come from peers, not from the learner"
+    assert from_peers >= 8 * model, "most bytes must have come from peers, not from the learner"
 
 
 def test_killing_a_relay_mid_broadcast_leaves_every_other_peer_with_the_version(
