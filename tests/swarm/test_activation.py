@@ -29,7 +29,9 @@ def test_standby_peer_replaces_a_killed_active_peer_within_one_replan_period(
 ):
     config = learner_toml(tmp_path / "learner.toml", tiny_model_dir, policy_key, steps=2000, staleness=1,
                           prompts_per_step=8, group_size=4, min_step_s=1.0, checkpoint_every=1000,
-                          sections={"activation": {"replan_period_s": REPLAN_S, "standby_retry_s": 0.3}})
+                          # min_steps 8: every peer delivers its plan_after_groups (4) verified groups before the
+                          # first plan, which it would otherwise miss on a loaded machine (dear then never planned)
+                          sections={"activation": {"replan_period_s": REPLAN_S, "standby_retry_s": 0.3, "min_steps": 8}})
     boot = local_swarm.bootstrap()
     learner = local_swarm.start("learner", "--config", str(config))
     trust = Path(f"{policy_key}.pub")
