@@ -104,6 +104,8 @@ class BroadcastPlan(BaseModel):
     public_key: str = Field(max_length=80)
     signature: str = Field("", pattern=r"^([0-9a-f]{128})?$")
     _index: dict[str, int] | None = PrivateAttr(None)
+    _placed: frozenset[str] | None = PrivateAttr(None)  # every chain's peers, for `places`
+    _fostered: dict[tuple[str, int], list[str]] = PrivateAttr(default_factory=dict)  # `fosters`, asked per chunk
 
     @model_validator(mode="after")
     def _one_shape(self) -> "BroadcastPlan":
@@ -129,7 +131,9 @@ class BroadcastPlan(BaseModel):
         """Whether the plan names `peer_id` (a fetcher it does not place uses its `fosters`, then holders)."""
         if self.tree is not None:
             return peer_id in self._positions()
-        return any(peer_id in chain for chain in self.stripes)
+        if self._placed is None:
+            self._placed = frozenset(p for chain in self.stripes for p in chain)
+        return peer_id in self._placed
 
     def _positions(self) -> dict[str, int]:
         if self._index is None:
@@ -171,18 +175,22 @@ class BroadcastPlan(BaseModel):
         Left out are followers past the plan's bounds: never seen working beyond MAX_UNPROVEN, past
         MAX_PLAN_ENTRIES, or joined after the plan was made. Without foster parents they took the version
         from the learner whenever no follower held all of it yet, one upload more of its scarce uplink each."""
+        known = self._fostered.get((peer_id, count))
+        if known is not None:
+            return list(known)
         if self.tree is not None:
             order, interior = self.tree.order, self.tree.stripes * self.tree.interior
             spare = order[interior:] or order
         else:
             spare = self.stripes[0] if self.stripes else []
-        if not spare or self.places(peer_id):
-            return []
-        seed = int.from_bytes(hashlib.sha256(f"{peer_id}/{self.version}".encode()).digest()[:8], "big")
-        first, out = seed % len(spare), []
-        for k in range(min(count, len(spare))):
-            out.append(spare[(first + k * max(1, len(spare) // max(1, count))) % len(spare)])
-        return list(dict.fromkeys(out))
+        out: list[str] = []
+        if spare and not self.places(peer_id):
+            seed = int.from_bytes(hashlib.sha256(f"{peer_id}/{self.version}".encode()).digest()[:8], "big")
+            step = max(1, len(spare) // max(1, count))
+            out = list(dict.fromkeys(spare[(seed + k * step) % len(spare)] for k in range(min(count, len(spare)))))
+        if len(self._fostered) < 64:  # a follower asks for itself; the simulator for thousands, once each
+            self._fostered[(peer_id, count)] = out
+        return list(out)
 
     def edges(self) -> list[list[tuple[str, str | None]]]:
         """Per stripe, (peer, its parent or None for the publisher), every parent before its children."""
